@@ -1,0 +1,60 @@
+"""dlpipe: raw training data to verified shards to a training GPU, nothing hand-tuned between.
+
+The public API is re-exported here; see the README for a tour.
+"""
+
+from dlpipe._version import __version__
+from dlpipe.codecs import decode_field, decode_sample, encode_field, field_type
+from dlpipe.dataset import MapDataset, StreamDataset, open_dataset
+from dlpipe.errors import (
+    DlpipeError,
+    FieldDecodeError,
+    InvalidFieldError,
+    InvalidKeyError,
+    ManifestError,
+    ManifestNotFoundError,
+    OutputExistsError,
+    ShardCorruptError,
+    ShardCountError,
+    UnsafeMemberError,
+    UnsupportedStorageError,
+)
+from dlpipe.formats import FORMATS, get_format, write_shard
+from dlpipe.formats.writer import DatasetWriter, ShardLimits
+from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
+from dlpipe.sample import Sample, check_key, escape_key, unescape_key
+
+__all__ = [
+    "FORMATS",
+    "DatasetWriter",
+    "DlpipeError",
+    "FieldDecodeError",
+    "InvalidFieldError",
+    "InvalidKeyError",
+    "Manifest",
+    "ManifestError",
+    "ManifestNotFoundError",
+    "MapDataset",
+    "OutputExistsError",
+    "Sample",
+    "ShardCorruptError",
+    "ShardCountError",
+    "ShardInfo",
+    "ShardLimits",
+    "SplitInfo",
+    "StreamDataset",
+    "UnsafeMemberError",
+    "UnsupportedStorageError",
+    "__version__",
+    "check_key",
+    "decode_field",
+    "decode_sample",
+    "encode_field",
+    "escape_key",
+    "field_type",
+    "get_format",
+    "open_dataset",
+    "read_manifest",
+    "unescape_key",
+    "write_shard",
+]

@@ -1,0 +1,44 @@
+"""The shard formats, one module each, and their registry.
+
+A prepared dataset's reader is chosen from the ``format`` its manifest names, never from file
+extensions. Add a format by writing one module with a `ShardFormat` and registering it here.
+"""
+
+from __future__ import annotations
+
+from dlpipe.errors import ManifestError, UnsupportedStorageError
+from dlpipe.formats.base import ShardFormat, ShardReader, write_shard
+from dlpipe.formats.hdf5 import HDF5
+from dlpipe.formats.lmdb import LMDB
+from dlpipe.formats.wds import WDS
+
+__all__ = ["FORMATS", "ShardFormat", "ShardReader", "get_format", "require_storage", "write_shard"]
+
+FORMATS: dict[str, ShardFormat] = {fmt.name: fmt for fmt in (WDS, LMDB, HDF5)}
+
+
+def get_format(name: str, version: int | None = None) -> ShardFormat:
+    """The registered format called `name`; checks `version` when given (from a manifest)."""
+    if name not in FORMATS:
+        raise ManifestError(
+            f"format {name!r} is unknown; dlpipe reads {', '.join(sorted(FORMATS))}"
+        )
+    fmt = FORMATS[name]
+    if version is not None and version != fmt.version:
+        raise ManifestError(
+            f"format {name!r} version {version} is not the version {fmt.version} this dlpipe "
+            "reads; upgrade dlpipe or re-convert the dataset"
+        )
+    return fmt
+
+
+def require_storage(fmt: ShardFormat, path: str) -> None:
+    """Refuse a URL for a format that needs a local filesystem, saying what to do instead."""
+    from dlpipe.storage import is_url
+
+    if is_url(path) and not fmt.supports_urls:
+        raise UnsupportedStorageError(
+            f"{path}: the {fmt.name} format needs a local filesystem (it memory-maps its "
+            "files), so it cannot live on object storage. Copy the dataset to a local disk, "
+            "or convert to --to wds or --to hdf5, which stream from URLs"
+        )

@@ -1,0 +1,113 @@
+"""``wds``: WebDataset-compatible POSIX tar shards.
+
+Layout: ``{split}-{n:06d}.tar``; each sample is consecutive regular-file members
+``{key}.{field}`` (PAX tar, mtime 0, owner 0:0, mode 0444, so shards are reproducible). Any
+tar reader and ``webdataset.WebDataset`` read them with no dlpipe code. Streaming only; reads
+from local paths and any fsspec URL.
+
+On read, a member that is not a plain file, or whose name holds a slash, ``..`` or starts at
+the root, is refused: a shard from an untrusted source cannot write outside its folder.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Iterator
+from typing import Any
+
+from dlpipe import storage
+from dlpipe.errors import ShardCorruptError, UnsafeMemberError
+from dlpipe.formats.base import ShardFileWriter, ShardFormat, ShardReader
+from dlpipe.sample import Sample, check_field_name, check_key
+
+__all__ = ["WDS"]
+
+
+class WdsWriter(ShardFileWriter):
+    def __init__(self, path: str, fields: list[str]) -> None:
+        super().__init__(path, fields)
+        self._tar = tarfile.open(path, "w", format=tarfile.PAX_FORMAT)
+
+    def add(self, key: str, fields: dict[str, bytes]) -> None:
+        for name, data in fields.items():
+            info = tarfile.TarInfo(f"{key}.{name}")
+            info.size = len(data)
+            info.mtime = 0
+            info.mode = 0o444
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            self._tar.addfile(info, io.BytesIO(data))
+
+    def close(self) -> None:
+        self._tar.close()
+
+
+class WdsReader(ShardReader):
+    def _open(self) -> Any:
+        return None  # tar shards are opened per pass: a stream has no random access
+
+    def __iter__(self) -> Iterator[Sample]:
+        self.handle()  # checks the size against the manifest
+        index = 0
+        try:
+            with storage.open_read(self.path) as f, tarfile.open(fileobj=f, mode="r|") as tar:
+                for key, fields in _group(tar, self):
+                    yield self.make_sample(index, key, fields)
+                    index += 1
+        except ShardCorruptError:
+            raise
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise self.corrupt(f"is not a readable tar ({exc})", index) from exc
+        if index != self.info.samples:
+            raise self.corrupt(f"holds {index} samples but the manifest says {self.info.samples}")
+
+
+def _group(tar: tarfile.TarFile, reader: WdsReader) -> Iterator[tuple[str, dict[str, bytes]]]:
+    key: str | None = None
+    fields: dict[str, bytes] = {}
+    for member in tar:
+        name_key, field = _split_member(member, reader)
+        if key is not None and name_key != key:
+            yield key, fields
+            fields = {}
+        key = name_key
+        if field in fields:
+            raise reader.corrupt(f"member {member.name!r} appears twice")
+        data = tar.extractfile(member)
+        assert data is not None  # regular files always have data
+        fields[field] = data.read()
+    if key is not None:
+        yield key, fields
+
+
+def _split_member(member: tarfile.TarInfo, reader: WdsReader) -> tuple[str, str]:
+    name = member.name
+    if not member.isreg():
+        raise UnsafeMemberError(
+            f"shard {reader.path}: member {name!r} is a link, folder or device, not a plain "
+            "file; dlpipe refuses it (a dataset must not point outside its folder)"
+        )
+    if name.startswith("/") or "/" in name or "\\" in name or ".." in name:
+        raise UnsafeMemberError(
+            f"shard {reader.path}: member name {name!r} has a path in it (absolute, '/' or "
+            "'..'); dlpipe shards hold flat {key}.{field} names only"
+        )
+    key, dot, field = name.partition(".")
+    try:
+        check_key(key)
+        check_field_name(field)
+    except ValueError:
+        raise reader.corrupt(f"member {name!r} is not named {{key}}.{{field}}") from None
+    return key, field
+
+
+WDS = ShardFormat(
+    name="wds",
+    version=1,
+    suffix=".tar",
+    writer=WdsWriter,
+    reader=WdsReader,
+    random_access=False,
+    supports_urls=True,
+)

@@ -1,0 +1,165 @@
+"""Where datasets live: local paths and fsspec URLs (``s3://``, ``gs://``, ``memory://`` ...).
+
+Local paths go through `os` directly; anything with a protocol goes through fsspec. Files that
+matter are published atomically: locally by temp name + fsync + `os.replace`; on object storage
+by uploading the finished file in one put (an object appears whole or not at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import IO, Any
+
+__all__ = [
+    "atomic_write_bytes",
+    "exists",
+    "is_url",
+    "join",
+    "listdir",
+    "local_path",
+    "makedirs",
+    "open_read",
+    "publish_file",
+    "read_bytes",
+    "remove",
+    "size",
+    "staging_dir",
+]
+
+
+def is_url(path: str) -> bool:
+    """True for ``proto://...`` other than ``file://``."""
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    """`path` as a local filesystem path (``file://`` stripped); for local paths only."""
+    assert not is_url(path), path
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path
+
+
+def join(base: str, name: str) -> str:
+    """Join a folder and a plain file name, for paths and URLs alike."""
+    if is_url(base):
+        return base.rstrip("/") + "/" + name
+    return os.path.join(local_path(base), name)
+
+
+def exists(path: str) -> bool:
+    if is_url(path):
+        fs, p = _fs(path)
+        return bool(fs.exists(p))
+    return os.path.exists(local_path(path))
+
+
+def listdir(path: str) -> list[str]:
+    """Names in a folder (empty when it does not exist)."""
+    if is_url(path):
+        fs, p = _fs(path)
+        if not fs.exists(p):
+            return []
+        return sorted(os.path.basename(str(e).rstrip("/")) for e in fs.ls(p, detail=False))
+    p = local_path(path)
+    return sorted(os.listdir(p)) if os.path.isdir(p) else []
+
+
+def size(path: str) -> int:
+    """Size in bytes; `FileNotFoundError` when it is not there."""
+    if is_url(path):
+        fs, p = _fs(path)
+        if not fs.exists(p):
+            raise FileNotFoundError(path)
+        return int(fs.size(p))
+    return os.path.getsize(local_path(path))
+
+
+def remove(path: str) -> None:
+    """Delete one file."""
+    if is_url(path):
+        fs, p = _fs(path)
+        fs.rm_file(p)
+    else:
+        os.remove(local_path(path))
+
+
+def makedirs(path: str) -> None:
+    if is_url(path):
+        fs, p = _fs(path)
+        fs.makedirs(p, exist_ok=True)
+    else:
+        os.makedirs(local_path(path), exist_ok=True)
+
+
+def read_bytes(path: str) -> bytes:
+    """The whole file; `FileNotFoundError` when it is not there."""
+    if is_url(path):
+        fs, p = _fs(path)
+        if not fs.exists(p):
+            raise FileNotFoundError(path)
+        return bytes(fs.cat_file(p))
+    with open(local_path(path), "rb") as f:
+        return f.read()
+
+
+def open_read(path: str) -> IO[bytes]:
+    """A binary file object for reading, seekable where the filesystem allows."""
+    if is_url(path):
+        fs, p = _fs(path)
+        return fs.open(p, "rb")  # type: ignore[no-any-return]
+    return open(local_path(path), "rb")
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_file(tmp_path: str, dest: str) -> None:
+    """Move a finished local temp file to `dest` (path or URL) so it appears whole or not at all."""
+    if is_url(dest):
+        fs, p = _fs(dest)
+        fs.put_file(tmp_path, p)
+        os.remove(tmp_path)
+        return
+    dest = local_path(dest)
+    with open(tmp_path, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp_path, dest)
+    _fsync_dir(os.path.dirname(os.path.abspath(dest)))
+
+
+def atomic_write_bytes(dest: str, data: bytes) -> None:
+    """Write `data` to `dest` atomically."""
+    near = None if is_url(dest) else os.path.dirname(os.path.abspath(local_path(dest)))
+    with staging_dir(near) as tmp:
+        tmp_path = os.path.join(tmp, "." + os.path.basename(dest) + ".tmp")
+        with open(tmp_path, "wb") as f:
+            f.write(data)
+        publish_file(tmp_path, dest)
+
+
+@contextlib.contextmanager
+def staging_dir(near: str | None) -> Iterator[str]:
+    """A private temp folder for files being written, removed on exit.
+
+    With `near` (a local output folder) it is made inside that folder, so publishing is a rename
+    on the same filesystem; otherwise (object storage) in the system temp dir.
+    """
+    parent = local_path(near) if near else None
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".dlpipe-tmp-", dir=parent) as tmp:
+        yield tmp
