@@ -32,7 +32,7 @@ Transform = Callable[[Sample], Any]
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world size): given values, else torch.distributed's, else RANK/WORLD_SIZE, else 0/1."""
+    """(rank, world size): as given, else from torch.distributed, else RANK/WORLD_SIZE, else 0/1."""
     if rank is not None and world_size is not None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world size {world_size})")

@@ -50,6 +50,7 @@ SCHEMA_NAME = "dlpipe.manifest"
 SCHEMA_VERSION = 1
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SHARD_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+_SHARD_FILE_RE = re.compile(r"[A-Za-z0-9_]+-\d{6}\.[a-z0-9]+")
 
 
 @dataclass(frozen=True)
@@ -151,14 +152,19 @@ def read_manifest(folder: str) -> Manifest:
 
 
 def _missing_message(folder: str) -> str:
-    if storage.exists(folder) and storage.listdir(folder):
+    names = storage.listdir(folder)
+    if any(_SHARD_FILE_RE.fullmatch(n) or n.startswith(".dlpipe-tmp-") for n in names):
         return (
             f"{folder} has no {MANIFEST_NAME}: it is an unfinished conversion (the manifest is "
             "written last). Finish it with `dlpipe convert RAW --out "
             f"{folder} --resume`, or start again with --overwrite"
         )
+    inside = [
+        n for n in names if storage.exists(storage.join(storage.join(folder, n), MANIFEST_NAME))
+    ]
+    hint = f" Datasets inside it: {', '.join(inside)}." if inside else ""
     return (
-        f"{folder} is not a dlpipe dataset: no {MANIFEST_NAME} there. Create one with "
+        f"{folder} is not a dlpipe dataset: no {MANIFEST_NAME} there.{hint} Create one with "
         f"`dlpipe convert RAW --to wds|lmdb|hdf5 --out {folder}`"
     )
 

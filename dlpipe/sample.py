@@ -79,7 +79,7 @@ def check_key(key: object) -> str:
 
 
 def check_field_name(name: object) -> str:
-    """Return `name` if it is a valid field name (lower-case extension, e.g. ``jpg``, ``seg.png``)."""
+    """Return `name` if it is a valid field name: a lower-case extension (``jpg``, ``seg.png``)."""
     if not isinstance(name, str) or not _FIELD_RE.fullmatch(name):
         raise InvalidFieldError(
             f"field name {name!r} is not allowed: field names are lower-case extensions "

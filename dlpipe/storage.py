@@ -115,7 +115,7 @@ def open_read(path: str) -> IO[bytes]:
     """A binary file object for reading, seekable where the filesystem allows."""
     if is_url(path):
         fs, p = _fs(path)
-        return fs.open(p, "rb")  # type: ignore[no-any-return]
+        return fs.open(p, "rb")
     return open(local_path(path), "rb")
 
 

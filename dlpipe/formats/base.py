@@ -22,10 +22,10 @@ from dlpipe.manifest import ShardInfo
 from dlpipe.sample import KEY_FIELD, Sample, sample_fields
 
 __all__ = [
+    "ShardBuilder",
     "ShardFileWriter",
     "ShardFormat",
     "ShardReader",
-    "ShardBuilder",
     "check_schema",
     "file_sha256",
     "write_shard",

@@ -63,15 +63,20 @@ class Hdf5Writer(ShardFileWriter):
             f.attrs["fields"] = json.dumps(list(self.fields))
             for name, blob in self._blobs.items():
                 if name == _INT_FIELD:
-                    ds = f.create_dataset(name, data=np.asarray(self._labels, dtype=np.int64),
-                                          track_times=False)  # fmt: skip
+                    ds = f.create_dataset(
+                        name, data=np.asarray(self._labels, dtype=np.int64), track_times=False
+                    )
                     ds.attrs["layout"] = "int64"
                     continue
-                ds = f.create_dataset(name, data=np.frombuffer(bytes(blob), dtype=np.uint8),
-                                      track_times=False)  # fmt: skip
+                ds = f.create_dataset(
+                    name, data=np.frombuffer(bytes(blob), dtype=np.uint8), track_times=False
+                )
                 ds.attrs["layout"] = "blob"
-                f.create_dataset(f"{name}.offsets", track_times=False,
-                                 data=np.asarray(self._offsets[name], dtype=np.uint64))  # fmt: skip
+                f.create_dataset(
+                    f"{name}.offsets",
+                    track_times=False,
+                    data=np.asarray(self._offsets[name], dtype=np.uint64),
+                )
         self._blobs.clear()
 
 
@@ -103,7 +108,10 @@ class Hdf5Reader(ShardReader):
     def _open(self) -> Any:
         shard = _OpenShard(self.path, (KEY_FIELD, *self.fields))
         for name, offsets in shard.offsets.items():
-            if len(offsets) != self.info.samples + 1 or offsets[-1] != shard.datasets[name].shape[0]:
+            if (
+                len(offsets) != self.info.samples + 1
+                or offsets[-1] != shard.datasets[name].shape[0]
+            ):
                 shard.close()
                 raise self.corrupt(f"offsets of {name!r} do not match its data or the manifest")
         return shard

@@ -46,9 +46,15 @@ class LmdbWriter(ShardFileWriter):
     def __init__(self, path: str, fields: list[str]) -> None:
         super().__init__(path, fields)
         self._env = lmdb.open(
-            path, subdir=False, map_size=_INITIAL_MAP_BYTES, lock=False, sync=False,
-            meminit=True, readahead=False, max_dbs=0,
-        )  # fmt: skip
+            path,
+            subdir=False,
+            map_size=_INITIAL_MAP_BYTES,
+            lock=False,
+            sync=False,
+            meminit=True,
+            readahead=False,
+            max_dbs=0,
+        )
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         self._count = 0
@@ -75,8 +81,12 @@ class LmdbWriter(ShardFileWriter):
 
     def close(self) -> None:
         self._commit()
-        meta = {"format": "lmdb", "format_version": 1, "samples": self._count,
-                "fields": list(self.fields)}  # fmt: skip
+        meta = {
+            "format": "lmdb",
+            "format_version": 1,
+            "samples": self._count,
+            "fields": list(self.fields),
+        }
         with self._env.begin(write=True) as txn:
             txn.put(META_KEY, msgpack.packb(meta, use_bin_type=True))
         self._env.sync(True)
@@ -88,9 +98,14 @@ class LmdbReader(ShardReader):
 
     def _open(self) -> Any:
         return lmdb.open(
-            storage.local_path(self.path), subdir=False, readonly=True, lock=False,
-            readahead=False, max_readers=1, max_dbs=0,
-        )  # fmt: skip
+            storage.local_path(self.path),
+            subdir=False,
+            readonly=True,
+            lock=False,
+            readahead=False,
+            max_readers=1,
+            max_dbs=0,
+        )
 
     def get(self, index: int) -> Sample:
         with self.handle().begin(buffers=False) as txn:

@@ -27,7 +27,7 @@ __all__ = ["WDS"]
 class WdsWriter(ShardFileWriter):
     def __init__(self, path: str, fields: list[str]) -> None:
         super().__init__(path, fields)
-        self._tar = tarfile.open(path, "w", format=tarfile.PAX_FORMAT)
+        self._tar = tarfile.open(path, "w", format=tarfile.PAX_FORMAT)  # noqa: SIM115 (closed in close())
 
     def add(self, key: str, fields: dict[str, bytes]) -> None:
         for name, data in fields.items():
@@ -93,7 +93,7 @@ def _split_member(member: tarfile.TarInfo, reader: WdsReader) -> tuple[str, str]
             f"shard {reader.path}: member name {name!r} has a path in it (absolute, '/' or "
             "'..'); dlpipe shards hold flat {key}.{field} names only"
         )
-    key, dot, field = name.partition(".")
+    key, _, field = name.partition(".")
     try:
         check_key(key)
         check_field_name(field)
