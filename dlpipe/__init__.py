@@ -21,8 +21,10 @@ from dlpipe.errors import (
 )
 from dlpipe.formats import FORMATS, get_format, write_shard
 from dlpipe.formats.writer import DatasetWriter, ShardLimits
+from dlpipe.inspection import describe_dataset
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
 from dlpipe.sample import Sample, check_key, escape_key, unescape_key
+from dlpipe.verify import Problem, VerifyReport, verify_dataset
 
 __all__ = [
     "FORMATS",
@@ -36,6 +38,7 @@ __all__ = [
     "ManifestNotFoundError",
     "MapDataset",
     "OutputExistsError",
+    "Problem",
     "Sample",
     "ShardCorruptError",
     "ShardCountError",
@@ -45,10 +48,12 @@ __all__ = [
     "StreamDataset",
     "UnsafeMemberError",
     "UnsupportedStorageError",
+    "VerifyReport",
     "__version__",
     "check_key",
     "decode_field",
     "decode_sample",
+    "describe_dataset",
     "encode_field",
     "escape_key",
     "field_type",
@@ -56,5 +61,6 @@ __all__ = [
     "open_dataset",
     "read_manifest",
     "unescape_key",
+    "verify_dataset",
     "write_shard",
 ]

@@ -143,12 +143,19 @@ def read_manifest(folder: str) -> Manifest:
     except ValueError as exc:
         raise ManifestError(f"{path} is not valid JSON ({exc}); re-run the conversion") from exc
     try:
-        return _parse(data)
+        manifest = _parse(data)
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(
             f"{path} is not a valid dlpipe manifest: {_describe(exc)}; re-run the conversion "
             "(dlpipe convert ... --overwrite) or restore the file"
         ) from exc
+    from dlpipe.formats import get_format  # formats build on this module
+
+    try:
+        get_format(manifest.format, manifest.format_version)
+    except ManifestError as exc:
+        raise ManifestError(f"{path}: {exc}") from None
+    return manifest
 
 
 def _missing_message(folder: str) -> str:

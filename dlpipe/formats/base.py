@@ -86,17 +86,18 @@ class ShardReader(ABC):
         state["_pid"] = None
         return state
 
-    def handle(self) -> Any:
-        """The open file or environment, (re)opened in this process on first use."""
+    def handle(self, index: int = 0) -> Any:
+        """The open file or environment, (re)opened in this process on first use.
+
+        `index` is the sample being read, named in the error when the shard cannot be opened.
+        """
         if self._handle is None or self._pid != os.getpid():
             self._handle = None  # a handle inherited through fork is never used
             self._check_size()
             try:
                 self._handle = self._open()
-            except ShardCorruptError:
-                raise
-            except Exception as exc:
-                raise self.corrupt(f"cannot be opened ({exc})") from exc
+            except Exception as exc:  # lmdb/h5py/tarfile errors, and _open's own ValueErrors
+                raise self.corrupt(f"cannot be opened ({exc})", index) from exc
             self._pid = os.getpid()
         return self._handle
 
@@ -122,7 +123,7 @@ class ShardReader(ABC):
 
     @abstractmethod
     def _open(self) -> Any:
-        """Open the shard and return the handle."""
+        """Open the shard and return the handle; raise ValueError when it is broken."""
 
     def _close_handle(self, handle: Any) -> None:
         handle.close()

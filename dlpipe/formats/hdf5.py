@@ -113,7 +113,7 @@ class Hdf5Reader(ShardReader):
                 or offsets[-1] != shard.datasets[name].shape[0]
             ):
                 shard.close()
-                raise self.corrupt(f"offsets of {name!r} do not match its data or the manifest")
+                raise ValueError(f"offsets of {name!r} do not match its data or the manifest")
         return shard
 
     def get(self, index: int) -> Sample:
@@ -125,7 +125,7 @@ class Hdf5Reader(ShardReader):
 
     def _read(self, start: int, stop: int) -> Iterator[Sample]:
         """Samples [start, stop): one slice read per field, then cut in memory."""
-        shard: _OpenShard = self.handle()
+        shard: _OpenShard = self.handle(start)
         if not 0 <= start < stop <= self.info.samples:
             raise IndexError(f"sample {start} is outside shard {self.path}")
         try:

@@ -97,7 +97,7 @@ class LmdbReader(ShardReader):
     random_access = True
 
     def _open(self) -> Any:
-        return lmdb.open(
+        env = lmdb.open(
             storage.local_path(self.path),
             subdir=False,
             readonly=True,
@@ -106,9 +106,15 @@ class LmdbReader(ShardReader):
             max_readers=1,
             max_dbs=0,
         )
+        # Pages past the end of a truncated file would fault (SIGBUS) when touched: refuse first.
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        if needed > self.info.bytes:
+            env.close()
+            raise ValueError(f"truncated: its pages need {needed} bytes, the file has fewer")
+        return env
 
     def get(self, index: int) -> Sample:
-        with self.handle().begin(buffers=False) as txn:
+        with self.handle(index).begin(buffers=False) as txn:
             try:
                 value = txn.get(index_key(index))
             except lmdb.Error as exc:

@@ -1,0 +1,71 @@
+"""Shared test data: small samples of every field type, made on the fly from the demo generator."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import dlpipe
+from dlpipe.synthetic import SHAPE_CLASSES, synthetic_samples
+
+FORMAT_NAMES = sorted(dlpipe.FORMATS)
+
+
+def mixed_samples(count: int, seed: int = 0) -> list[dict]:
+    """Samples carrying every codec: jpg, png, cls, txt, json, npy."""
+    out = []
+    for i, base in enumerate(synthetic_samples(count, seed=seed)):
+        png = io.BytesIO()
+        Image.open(io.BytesIO(base["jpg"])).convert("L").resize((16, 12)).save(png, "PNG")
+        out.append(
+            {
+                "__key__": base["__key__"],
+                "jpg": base["jpg"],
+                "png": png.getvalue(),
+                "cls": base["cls"],
+                "txt": f"sample {i}: ünïcode".encode(),
+                "json": json.dumps({"i": i, "tags": ["a", "b"][: i % 3]}).encode(),
+                "npy": dlpipe.encode_field("npy", np.arange(i % 5 + 1, dtype=np.float32) * i),
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="session")
+def samples() -> list[dict]:
+    return mixed_samples(40)
+
+
+def write_dataset(
+    out: Path | str,
+    fmt: str,
+    splits: dict[str, list[dict]],
+    *,
+    max_shard_samples: int | None = 8,
+) -> str:
+    limits = dlpipe.ShardLimits(max_shard_samples=max_shard_samples)
+    with dlpipe.DatasetWriter(
+        out=str(out), format=fmt, classes=SHAPE_CLASSES, limits=limits
+    ) as writer:
+        for split, items in splits.items():
+            for sample in items:
+                writer.write(split, sample)
+    return str(out)
+
+
+@pytest.fixture
+def make_dataset(tmp_path: Path, samples: list[dict]) -> Callable[..., str]:
+    """make_dataset(fmt) -> path of a dataset of `samples` (train: 32, val: 8), 8 per shard."""
+
+    def make(fmt: str, **kwargs: object) -> str:
+        return write_dataset(
+            tmp_path / fmt, fmt, {"train": samples[:32], "val": samples[32:]}, **kwargs
+        )
+
+    return make
