@@ -5,7 +5,6 @@ The public API is re-exported here; see the README for a tour.
 
 from dlpipe._version import __version__
 from dlpipe.codecs import decode_field, decode_sample, encode_field, field_type
-from dlpipe.dataset import MapDataset, StreamDataset, open_dataset
 from dlpipe.errors import (
     DlpipeError,
     FieldDecodeError,
@@ -25,6 +24,17 @@ from dlpipe.inspection import describe_dataset
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
 from dlpipe.sample import Sample, check_key, escape_key, unescape_key
 from dlpipe.verify import Problem, VerifyReport, verify_dataset
+
+_LAZY = {"MapDataset", "StreamDataset", "open_dataset"}  # these import torch: only on first use
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from dlpipe import dataset
+
+        return getattr(dataset, name)
+    raise AttributeError(f"module 'dlpipe' has no attribute {name!r}")
+
 
 __all__ = [
     "FORMATS",
