@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.set_defaults(handler=_inspect)
 
+    from dlpipe.converters.command import add_convert_parser
+
+    add_convert_parser(sub)
+
     verify = sub.add_parser("verify", help="check every shard's sha256 (and decode with --decode)")
     verify.add_argument("data", help="dataset folder or URL")
     verify.add_argument("--decode", action="store_true", help="also decode every sample")

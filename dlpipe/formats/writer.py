@@ -27,7 +27,14 @@ from dlpipe.formats.base import ShardBuilder, ShardFormat
 from dlpipe.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, write_manifest
 from dlpipe.sample import sample_fields
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "DatasetWriter", "ShardLimits", "SplitWriter"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "DatasetWriter",
+    "ShardLimits",
+    "SplitWriter",
+    "class_counts",
+    "prepare_output",
+]
 
 DEFAULT_MAX_SHARD_BYTES = 64 << 20
 _SPLIT_RE = re.compile(r"[A-Za-z0-9_]+")
@@ -50,6 +57,19 @@ class ShardLimits:
         if self.max_shard_samples is not None and samples >= self.max_shard_samples:
             return True
         return payload_bytes + next_bytes > self.max_shard_bytes
+
+
+def class_counts(split: str, labels: Sequence[int], num_classes: int) -> tuple[int, ...] | None:
+    """Samples per label for a split's manifest entry; None when there are no labels."""
+    if not num_classes or not len(labels):
+        return None
+    array = np.asarray(labels)
+    if array.min() < 0 or array.max() >= num_classes:
+        raise InvalidFieldError(
+            f"split {split!r} has labels {array.min()}..{array.max()} but only "
+            f"{num_classes} class names; cls must be in 0..{num_classes - 1}"
+        )
+    return tuple(int(c) for c in np.bincount(array, minlength=num_classes))
 
 
 class SplitWriter:
@@ -86,15 +106,7 @@ class SplitWriter:
         if self._builder is not None:
             self.shards.append(self._builder.finish())
             self._builder = None
-        counts = None
-        if num_classes and self.labels:
-            labels = np.asarray(self.labels)
-            if labels.min() < 0 or labels.max() >= num_classes:
-                raise InvalidFieldError(
-                    f"split {self.split!r} has labels {labels.min()}..{labels.max()} but only "
-                    f"{num_classes} class names; cls must be in 0..{num_classes - 1}"
-                )
-            counts = tuple(int(c) for c in np.bincount(labels, minlength=num_classes))
+        counts = class_counts(self.split, self.labels, num_classes)
         return SplitInfo(shards=tuple(self.shards), class_counts=counts)
 
     def abort(self) -> None:

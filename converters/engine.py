@@ -1,0 +1,311 @@
+"""`convert`: raw data → a verified, prepared dataset, in parallel, resumable.
+
+Scan the source → plan the shards (deterministic) → check the output and the disk → run the
+shard tasks on an engine, journalling each finished shard → write ``errors.jsonl`` and then
+the manifest, last → remove the journal. A crash at any point leaves no manifest, and
+``--resume`` re-runs only the shards the journal does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlpipe import storage
+from dlpipe.codecs import field_type
+from dlpipe.converters.executors import run_local, run_ray
+from dlpipe.converters.images import ImagePolicy
+from dlpipe.converters.journal import Journal, ResumeError
+from dlpipe.converters.plan import Plan, make_plan
+from dlpipe.converters.source import Scan, SourceError, SourceOptions
+from dlpipe.converters.sources import open_source
+from dlpipe.converters.worker import TaskResult, WorkerConfig
+from dlpipe.errors import DlpipeError, OutputExistsError
+from dlpipe.formats import get_format, require_storage
+from dlpipe.formats.writer import class_counts, prepare_output
+from dlpipe.manifest import MANIFEST_NAME, Manifest, SplitInfo, read_manifest, write_manifest
+
+__all__ = ["ConvertConfig", "ConvertResult", "DiskSpaceError", "convert", "default_out"]
+
+ERRORS_NAME = "errors.jsonl"
+
+
+class DiskSpaceError(DlpipeError, OSError):
+    """The output filesystem has less free space than the conversion needs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertConfig:
+    """Everything ``dlpipe convert`` takes; see the CLI reference in the README."""
+
+    raw: str
+    to: str
+    out: str | None = None
+    source: str = "auto"
+    image_col: str | None = None
+    label_col: str | None = None
+    shard_bytes: int | None = None
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    max_side: int | None = None
+    quality: int = 95
+    val_fraction: float | None = None
+    seed: int = 0
+    on_error: str = "skip"
+    resume: bool = False
+    overwrite: bool = False
+    engine: str = "local"
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("skip", "fail"):
+            raise ValueError(f"--on-error {self.on_error!r} must be skip or fail")
+        if self.engine not in ("local", "ray"):
+            raise ValueError(f"--engine {self.engine!r} must be local or ray")
+        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
+            raise ValueError(f"--val-fraction {self.val_fraction} must be between 0 and 1")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other; choose one")
+        if self.workers < 1:
+            raise ValueError(f"--workers {self.workers} must be at least 1")
+
+    def output_options(self, image_field: str, source_kind: str) -> dict[str, Any]:
+        """The options that shape the output (recorded in the manifest and the plan)."""
+        return {
+            "format": self.to,
+            "source": source_kind,
+            "image_field": image_field,
+            "shard_bytes": self.shard_bytes,
+            "max_side": self.max_side,
+            "quality": self.quality,
+            "val_fraction": self.val_fraction,
+            "seed": self.seed,
+            "on_error": self.on_error,
+        }
+
+
+@dataclass
+class ConvertResult:
+    out: str
+    manifest: Manifest
+    seconds: float
+    samples_in: int
+    skipped: list[dict[str, Any]]
+    reencoded: int
+    bytes_in: int
+    resumed_shards: int = 0
+
+
+Progress = Callable[[TaskResult], None]
+
+
+def default_out(raw: str, fmt: str) -> str:
+    """``$DLPIPE_DATA_DIR/<name>-<fmt>`` when set, else ``<raw>-<fmt>`` beside the raw data."""
+    raw = os.path.abspath(raw)
+    name = (
+        os.path.splitext(os.path.basename(raw.rstrip(os.sep)))[0]
+        if os.path.isfile(raw)
+        else (os.path.basename(raw.rstrip(os.sep)))
+    )
+    parent = os.environ.get("DLPIPE_DATA_DIR") or os.path.dirname(raw.rstrip(os.sep))
+    return os.path.join(parent, f"{name}-{fmt}")
+
+
+def image_field_for(scan: Scan) -> str:
+    """The dataset's one image field: the most common stored kind (``other`` counts as png)."""
+    kinds = Counter(
+        ("png" if it.image_kind == "other" else it.image_kind) for it in scan.items if it.image_kind
+    )
+    if not kinds:
+        return "jpg"
+    return max(sorted(kinds), key=lambda k: (kinds[k], k == "jpg"))
+
+
+def plan_conversion(config: ConvertConfig) -> tuple[Any, Plan, WorkerConfig, dict[str, Any]]:
+    """Scan and plan: the source, the plan, the worker config and the recorded options."""
+    fmt = get_format(config.to)
+    out = config.out or default_out(config.raw, config.to)
+    require_storage(fmt, out)
+    options = SourceOptions(image_col=config.image_col, label_col=config.label_col)
+    source = open_source(config.raw, config.source, options)
+    scan = source.scan()
+    if not scan.items:
+        raise SourceError(f"{config.raw}: the {source.kind} source holds no samples")
+    scan = _with_classes(scan)
+    image = ImagePolicy(
+        field=image_field_for(scan), max_side=config.max_side, quality=config.quality
+    )
+    recorded = config.output_options(image.field, source.kind)
+    plan = make_plan(
+        scan,
+        fmt=fmt,
+        seed=config.seed,
+        val_fraction=config.val_fraction,
+        shard_bytes=config.shard_bytes,
+        options=recorded,
+    )
+    worker = WorkerConfig(out=out, format=fmt.name, image=image, on_error=config.on_error)
+    recorded["_source"] = {**scan.description, "samples": len(scan.items)}
+    return source, plan, worker, recorded
+
+
+def _with_classes(scan: Scan) -> Scan:
+    labels = [it.label for it in scan.items if it.label is not None]
+    if not labels or scan.classes:
+        return scan
+    if min(labels) < 0:
+        raise SourceError(f"labels must be >= 0; found {min(labels)}")
+    names = tuple(str(i) for i in range(max(labels) + 1))
+    return Scan(classes=names, items=scan.items, description=scan.description)
+
+
+def convert(
+    config: ConvertConfig,
+    *,
+    on_start: Callable[[Plan], None] | None = None,
+    on_progress: Progress | None = None,
+) -> ConvertResult:
+    """Run a whole conversion (see the module docstring).
+
+    `on_start` is called with the plan before any shard is written, `on_progress` with each
+    finished shard's result.
+
+    Raises:
+        SourceError, SampleError (``--on-error fail``), OutputExistsError, ResumeError,
+        DiskSpaceError, UnsupportedStorageError: each with the fix in its message.
+    """
+    start = time.perf_counter()
+    source, plan, worker, recorded = plan_conversion(config)
+    out, journal = worker.out, Journal(worker.out)
+    done = _prepare(out, journal, plan, config)
+    pending = [t for t in plan.tasks if t.name not in done]
+    check_disk(out, sum(it.size for t in pending for it in t.items))
+    if not done:
+        journal.start(plan.fingerprint)
+    if on_start is not None:
+        on_start(plan)
+    if config.engine == "ray":
+        results = run_ray(source, pending, worker, config.ray_address)
+    else:
+        results = run_local(source, pending, worker, config.workers)
+    for result in results:
+        journal.record(result)
+        done[result.name] = result
+        if on_progress is not None:
+            on_progress(result)
+    manifest = _finish(out, plan, done, recorded)
+    journal.remove()
+    ordered = [done[t.name] for t in plan.tasks]
+    return ConvertResult(
+        out=out,
+        manifest=manifest,
+        seconds=time.perf_counter() - start,
+        samples_in=sum(len(t.items) for t in plan.tasks),
+        skipped=[s for r in ordered for s in r.skipped],
+        reencoded=sum(r.reencoded for r in ordered),
+        bytes_in=sum(r.bytes_in for r in ordered),
+        resumed_shards=len(plan.tasks) - len(pending),
+    )
+
+
+def _prepare(
+    out: str, journal: Journal, plan: Plan, config: ConvertConfig
+) -> dict[str, TaskResult]:
+    """Make `out` ready; returns the shards an interrupted run already finished (``--resume``)."""
+    names = [n for n in storage.listdir(out) if not n.startswith(".dlpipe-tmp-")]
+    if config.resume and journal.exists():
+        journal.check_plan(plan.fingerprint, out)
+        return {n: r for n, r in journal.finished().items() if _shard_intact(out, r)}
+    if config.resume and MANIFEST_NAME in names:
+        raise ResumeError(f"{out} is already a complete dataset; nothing to resume")
+    if names and not config.overwrite and not config.resume:
+        raise OutputExistsError(
+            f"{out} is not empty ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+            "pass --resume to finish an interrupted conversion, --overwrite to replace it, "
+            "or choose another --out"
+        )
+    if names and config.resume:
+        raise ResumeError(f"{out} holds files but no journal to resume from; use --overwrite")
+    prepare_output(out, overwrite=True)
+    if journal.exists() or storage.exists(journal.folder):
+        journal.remove()
+    return {}
+
+
+def _shard_intact(out: str, result: TaskResult) -> bool:
+    if result.info is None:
+        return True
+    try:
+        return storage.size(storage.join(out, result.info.name)) == result.info.bytes
+    except FileNotFoundError:
+        return False
+
+
+def check_disk(out: str, estimated_bytes: int) -> None:
+    """Refuse when the target filesystem lacks room; warn when it is the system disk."""
+    if storage.is_url(out):
+        return
+    probe = os.path.abspath(storage.local_path(out))
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    needed = int(estimated_bytes * 1.1) + (16 << 20)
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise DiskSpaceError(
+            f"{out}: the conversion needs about {needed / 1e9:.2f} GB but {free / 1e9:.2f} GB "
+            "is free there; free space, or point --out (or DLPIPE_DATA_DIR) at a bigger disk"
+        )
+
+
+def on_system_disk(out: str) -> bool:
+    """True when a local `out` lands on the filesystem that holds ``/``."""
+    if storage.is_url(out):
+        return False
+    probe = os.path.abspath(storage.local_path(out))
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return os.stat(probe).st_dev == os.stat("/").st_dev
+
+
+def _finish(
+    out: str, plan: Plan, done: dict[str, TaskResult], recorded: dict[str, Any]
+) -> Manifest:
+    splits: dict[str, SplitInfo] = {}
+    skipped = [s for t in plan.tasks for s in done[t.name].skipped]
+    for split in plan.splits():
+        results = [done[t.name] for t in plan.tasks if t.split == split]
+        shards = tuple(r.info for r in results if r.info is not None)
+        if not shards:
+            raise SourceError(f"every sample of split {split!r} was skipped; see {ERRORS_NAME}")
+        labels = [label for r in results for label in r.labels]
+        splits[split] = SplitInfo(
+            shards=shards, class_counts=class_counts(split, labels, len(plan.classes))
+        )
+    if skipped:
+        lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in skipped)
+        storage.atomic_write_bytes(storage.join(out, ERRORS_NAME), lines.encode())
+    options = {k: v for k, v in recorded.items() if not k.startswith("_")}
+    source = {**recorded["_source"], "skipped": len(skipped)}
+    fmt = get_format(recorded["format"])
+    manifest = Manifest(
+        format=fmt.name,
+        format_version=fmt.version,
+        fields=_fields(list(done.values())),
+        splits=splits,
+        classes=plan.classes,
+        options=options,
+        source=source,
+    )
+    write_manifest(out, manifest)
+    return read_manifest(out)
+
+
+def _fields(results: list[TaskResult]) -> dict[str, str]:
+    """Field name → type, as the workers wrote them."""
+    names = next(r.fields for r in results if r.info is not None)
+    return {name: field_type(name) for name in names}

@@ -1,0 +1,84 @@
+"""Engines that run shard tasks: local worker processes, or Ray tasks on a cluster.
+
+Both take the same tasks and yield `TaskResult`s as shards finish (in any order); the engine
+orders them by the plan, so the output does not depend on which one ran.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
+from dlpipe.converters.plan import ShardTask
+from dlpipe.converters.source import Source
+from dlpipe.converters.worker import TaskResult, WorkerConfig, write_task
+from dlpipe.errors import DlpipeError
+
+__all__ = ["EngineError", "run_local", "run_ray"]
+
+
+class EngineError(DlpipeError, RuntimeError):
+    """The engine cannot run (e.g. Ray is not installed or not reachable)."""
+
+
+def run_local(
+    source: Source, tasks: Sequence[ShardTask], config: WorkerConfig, workers: int
+) -> Iterator[TaskResult]:
+    """Run tasks in `workers` spawned processes (in this process when `workers` is 1)."""
+    if workers <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            yield write_task(source, task, config)
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
+        pending: set[Future[TaskResult]] = {
+            pool.submit(write_task, source, task, config) for task in tasks
+        }
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield future.result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def run_ray(
+    source: Source, tasks: Sequence[ShardTask], config: WorkerConfig, address: str | None
+) -> Iterator[TaskResult]:
+    """Run each task as a Ray task (one CPU each) on the cluster at `address`."""
+    try:
+        import ray
+    except ImportError:
+        raise EngineError(
+            "--engine ray needs Ray: pip install 'dlpipe[ray]' (or use --engine local)"
+        ) from None
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except ConnectionError as exc:
+            raise EngineError(f"cannot reach the Ray cluster at {address!r}: {exc}") from exc
+    remote = ray.remote(num_cpus=1, max_retries=2)(write_task)
+    source_ref, config_ref = ray.put(source), ray.put(config)
+    pending = [remote.remote(source_ref, task, config_ref) for task in tasks]
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                yield _ray_result(ray, ref)
+    finally:
+        for ref in pending:
+            ray.cancel(ref)
+
+
+def _ray_result(ray: object, ref: object) -> TaskResult:
+    try:
+        result: TaskResult = ray.get(ref)  # type: ignore[attr-defined]
+    except Exception as exc:  # a RayTaskError wraps the worker's exception
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, DlpipeError):
+            raise cause from None
+        raise
+    return result

@@ -1,0 +1,87 @@
+"""Image checking and optional re-encoding while converting.
+
+Every image is decoded once: that is the integrity check (truncated, zero-byte and non-image
+files fail here). A JPEG that is kept as it is is decoded in Pillow's reduced-scale draft
+mode, which still reads and entropy-decodes all of its compressed data, at a fraction of the
+cost of a full decode. An image is re-encoded only when asked (``--max-side``), or when its
+type differs from the dataset's image field (a PNG in a JPEG dataset).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image
+
+from dlpipe.converters.source import SampleError
+
+__all__ = ["ImagePolicy", "prepare_image"]
+
+_KINDS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+_PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+_JPEG_MODES = frozenset({"RGB", "L", "CMYK"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImagePolicy:
+    """How images are stored: the dataset's image field, an optional size cap, the quality."""
+
+    field: str = "jpg"
+    max_side: int | None = None
+    quality: int = 95
+
+    def __post_init__(self) -> None:
+        if self.field not in _PIL_FORMAT:
+            raise ValueError(f"image field {self.field!r} must be one of {sorted(_PIL_FORMAT)}")
+        if self.max_side is not None and self.max_side < 8:
+            raise ValueError(f"--max-side {self.max_side} is too small (at least 8 pixels)")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"--quality {self.quality} must be in 1..100")
+
+
+def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> tuple[bytes, bool]:
+    """Check one encoded image and return (bytes to store, whether it was re-encoded).
+
+    Raises:
+        SampleError: the bytes are empty, truncated or not an image Pillow can decode.
+    """
+    if not data:
+        raise SampleError(f"{origin}: empty file (0 bytes), not an image")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            kind = _KINDS.get(image.format or "", "other")
+            too_big = policy.max_side is not None and max(image.size) > policy.max_side
+            if kind == policy.field and not too_big:
+                if kind == "jpg":
+                    image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
+                image.load()
+                return data, False
+            image.load()
+    except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
+        raise SampleError(f"{origin}: not a readable image ({exc})") from exc
+    return _encode(_resized(image, policy.max_side), policy), True
+
+
+def _resized(image: Image.Image, max_side: int | None) -> Image.Image:
+    if max_side is None or max(image.size) <= max_side:
+        return image
+    scale = max_side / max(image.size)
+    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    return image.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+
+
+def _encode(image: Image.Image, policy: ImagePolicy) -> bytes:
+    buffer = io.BytesIO()
+    if policy.field == "jpg":
+        if image.mode not in _JPEG_MODES:
+            image = image.convert("RGB")
+        image.save(buffer, format="JPEG", quality=policy.quality)
+    elif policy.field == "webp":
+        image.save(buffer, format="WEBP", quality=policy.quality)
+    else:
+        image.save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -1,0 +1,95 @@
+"""One shard of a conversion: load its planned items, check images, write the shard.
+
+`write_task` runs in a worker process (local pool or Ray task) and returns a `TaskResult`
+that the engine journals. It is a pure function of its arguments, so any engine, and any
+retry after a crash, writes the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlpipe.converters.images import ImagePolicy, prepare_image
+from dlpipe.converters.plan import ShardTask
+from dlpipe.converters.source import SampleError, Source
+from dlpipe.formats import get_format, write_shard
+from dlpipe.manifest import ShardInfo
+from dlpipe.sample import Sample
+
+__all__ = ["TaskResult", "WorkerConfig", "write_task"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What every shard task needs besides its items."""
+
+    out: str
+    format: str
+    image: ImagePolicy
+    on_error: str = "skip"
+
+
+@dataclass
+class TaskResult:
+    """What one finished shard task reports (and the journal stores)."""
+
+    split: str
+    name: str
+    info: ShardInfo | None
+    labels: list[int] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    reencoded: int = 0
+    bytes_in: int = 0
+    fields: list[str] = field(default_factory=list)
+
+
+def write_task(source: Source, task: ShardTask, config: WorkerConfig) -> TaskResult:
+    """Write the shard `task` plans; per-sample failures are skipped or fatal by policy.
+
+    Raises:
+        SampleError: with ``on_error="fail"``, the first sample that cannot be converted.
+    """
+    result = TaskResult(split=task.split, name=task.name, info=None)
+    samples = _samples(source, task, config, result)
+    try:
+        result.info = write_shard(get_format(config.format), config.out, task.name, samples)
+    except _EmptyShard:
+        result.info = None  # every sample was skipped: no shard, the skips are reported
+    return result
+
+
+class _EmptyShard(Exception):
+    pass
+
+
+def _samples(
+    source: Source, task: ShardTask, config: WorkerConfig, result: TaskResult
+) -> Iterator[Sample]:
+    produced = 0
+    for item in task.items:
+        try:
+            fields = source.load(item)
+            sample: Sample = {"__key__": item.key}
+            for name, data in fields.items():
+                if name == "image":
+                    data, reencoded = prepare_image(data, config.image, item.origin)
+                    result.reencoded += reencoded
+                    name = config.image.field
+                sample[name] = data
+                result.bytes_in += len(data)
+        except SampleError as exc:
+            if config.on_error == "fail":
+                raise SampleError(f"{exc} (use --on-error skip to skip such samples)") from exc
+            result.skipped.append({"key": item.key, "origin": item.origin, "error": str(exc)})
+            continue
+        if item.label is not None:
+            sample["cls"] = str(item.label).encode("ascii")
+            result.labels.append(item.label)
+        if not produced:
+            result.fields = [name for name in sample if name != "__key__"]
+        produced += 1
+        yield sample
+    if not produced:
+        raise _EmptyShard
