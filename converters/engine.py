@@ -28,7 +28,7 @@ from dlpipe.converters.sources import open_source
 from dlpipe.converters.worker import TaskResult, WorkerConfig
 from dlpipe.errors import DlpipeError, OutputExistsError
 from dlpipe.formats import get_format, require_storage
-from dlpipe.formats.writer import class_counts, prepare_output
+from dlpipe.formats.writer import class_counts, prepare_output, remove_staging
 from dlpipe.manifest import MANIFEST_NAME, Manifest, SplitInfo, read_manifest, write_manifest
 
 __all__ = ["ConvertConfig", "ConvertResult", "DiskSpaceError", "convert", "default_out"]
@@ -220,6 +220,7 @@ def _prepare(
     names = [n for n in storage.listdir(out) if not n.startswith(".dlpipe-tmp-")]
     if config.resume and journal.exists():
         journal.check_plan(plan.fingerprint, out)
+        remove_staging(out)
         return {n: r for n, r in journal.finished().items() if _shard_intact(out, r)}
     if config.resume and MANIFEST_NAME in names:
         raise ResumeError(f"{out} is already a complete dataset; nothing to resume")

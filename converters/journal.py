@@ -9,7 +9,7 @@ manifest is written.
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from dataclasses import asdict
 
 from dlpipe import storage
@@ -64,7 +64,8 @@ class Journal:
         return results
 
     def remove(self) -> None:
+        if not storage.is_url(self.folder):
+            shutil.rmtree(storage.local_path(self.folder), ignore_errors=True)
+            return
         for name in storage.listdir(self.folder):
             storage.remove(storage.join(self.folder, name))
-        if not storage.is_url(self.folder) and storage.exists(self.folder):
-            os.rmdir(storage.local_path(self.folder))

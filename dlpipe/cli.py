@@ -110,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full, permissions, a vanished file: the OS names it
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

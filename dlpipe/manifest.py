@@ -160,7 +160,7 @@ def read_manifest(folder: str) -> Manifest:
 
 def _missing_message(folder: str) -> str:
     names = storage.listdir(folder)
-    if any(_SHARD_FILE_RE.fullmatch(n) or n.startswith(".dlpipe-tmp-") for n in names):
+    if any(_SHARD_FILE_RE.fullmatch(n) or n.startswith(".dlpipe-") for n in names):
         return (
             f"{folder} has no {MANIFEST_NAME}: it is an unfinished conversion (the manifest is "
             "written last). Finish it with `dlpipe convert RAW --out "

@@ -34,6 +34,7 @@ __all__ = [
     "SplitWriter",
     "class_counts",
     "prepare_output",
+    "remove_staging",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 64 << 20
@@ -223,7 +224,13 @@ def prepare_output(out: str, overwrite: bool) -> None:
     for name in names:
         if shard_re.fullmatch(name):
             storage.remove(storage.join(out, name))
-    if not storage.is_url(out):
-        for name in storage.listdir(out):
-            if name.startswith(".dlpipe-tmp-"):
-                shutil.rmtree(storage.join(out, name), ignore_errors=True)
+    remove_staging(out)
+
+
+def remove_staging(out: str) -> None:
+    """Delete temp folders an interrupted writer left in a local `out` (never a finished file)."""
+    if storage.is_url(out):
+        return
+    for name in storage.listdir(out):
+        if name.startswith(".dlpipe-tmp-"):
+            shutil.rmtree(storage.join(out, name), ignore_errors=True)
