@@ -350,3 +350,27 @@ def test_convert_runs_from_a_shell(tmp_path) -> None:
     assert "wrote" in done.stdout and "samples/s" in done.stdout
     assert dlpipe.verify_dataset(str(tmp_path / "raw-lmdb"), decode=True).ok
     assert raw.exists()
+
+
+def test_cifar_python_batches_convert_end_to_end(tmp_path) -> None:
+    from test_source_cifar import make_cifar10
+
+    folder = make_cifar10(tmp_path)
+    out = tmp_path / "out"
+    assert run([str(tmp_path), "--to", "hdf5", "--out", str(out)]) == 0
+    manifest = dlpipe.read_manifest(str(out))
+    assert manifest.source["kind"] == "cifar" and manifest.fields == {"png": "image", "cls": "int"}
+    assert set(manifest.splits) == {"train", "test"}
+    assert folder.exists() and dlpipe.verify_dataset(str(out), decode=True).ok
+
+
+def test_mnist_idx_files_convert_end_to_end(tmp_path) -> None:
+    from test_source_mnist import make_mnist
+
+    make_mnist(tmp_path / "mnist", gz=True)
+    out = tmp_path / "out"
+    assert run([str(tmp_path / "mnist"), "--to", "wds", "--out", str(out)]) == 0
+    manifest = dlpipe.read_manifest(str(out))
+    assert manifest.source["kind"] == "mnist" and manifest.classes == tuple("0123456789")
+    sample = dlpipe.decode_sample(read_all(out)[0])
+    assert sample["png"].size == (28, 28) and sample["png"].mode == "L"
