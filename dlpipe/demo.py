@@ -1,7 +1,8 @@
 """``dlpipe demo``: the whole system on the embedded shapes dataset, with no network.
 
-Today it generates the raw ImageFolder, writes it in every format, verifies each and shows what
-``dlpipe inspect`` shows. It grows with the project until it runs the whole pipeline.
+Today it generates the raw ImageFolder, converts it to every format with ``dlpipe convert``'s
+engine, verifies each and shows what ``dlpipe inspect`` shows. It grows with the project until
+it runs the whole pipeline.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.table import Table
 
+from dlpipe.converters.engine import ConvertConfig, convert
 from dlpipe.errors import OutputExistsError
 from dlpipe.formats import FORMATS
-from dlpipe.formats.writer import DatasetWriter, ShardLimits
 from dlpipe.inspection import describe_dataset, format_bytes, print_description
 from dlpipe.synthetic import SHAPE_CLASSES, split_samples, write_imagefolder
 from dlpipe.verify import verify_dataset
@@ -31,7 +32,7 @@ class DemoConfig:
     out: str
     per_class: int = 400
     seed: int = 0
-    max_shard_bytes: int = 1 << 20
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
 
 
 def default_demo_dir() -> str:
@@ -59,27 +60,18 @@ def run_demo(config: DemoConfig, console: Console) -> int:
     console.print(f"dlpipe demo → {os.path.abspath(out)}")
     start = time.perf_counter()
     pairs = list(split_samples(config.per_class, seed=config.seed))
-    counts = write_imagefolder(os.path.join(out, "raw"), pairs)
+    raw = os.path.join(out, "raw")
+    counts = write_imagefolder(raw, pairs)
     console.print(
         f"generated {sum(counts.values())} JPEGs of {len(SHAPE_CLASSES)} shape classes "
         f"({counts['train']} train, {counts['val']} val) in {time.perf_counter() - start:.1f} s"
     )
-    summary = Table("format", "folder", "samples", "shards", "size", "write s", "verified")
+    summary = Table("format", "folder", "samples", "shards", "size", "samples/s", "verified")
     ok = True
     for name in FORMATS:
         folder = os.path.join(out, f"shapes-{name}")
-        start = time.perf_counter()
-        limits = ShardLimits(max_shard_bytes=config.max_shard_bytes)
-        with DatasetWriter(
-            out=folder,
-            format=name,
-            classes=SHAPE_CLASSES,
-            limits=limits,
-            source={"kind": "dlpipe-demo", "seed": config.seed},
-        ) as writer:
-            for split, sample in pairs:
-                writer.write(split, sample)
-        seconds = time.perf_counter() - start
+        result = convert(ConvertConfig(raw=raw, to=name, out=folder, workers=config.workers))
+        rate = sum(s.samples for s in result.manifest.splits.values()) / result.seconds
         report = verify_dataset(folder, decode=True)
         ok &= report.ok
         info = describe_dataset(folder)
@@ -90,7 +82,7 @@ def run_demo(config: DemoConfig, console: Console) -> int:
             str(info["samples"]),
             str(shards),
             format_bytes(info["bytes"]),
-            f"{seconds:.2f}",
+            f"{rate:.0f}",
             "ok" if report.ok else f"{len(report.problems)} problems",
         )
         for problem in report.problems:
