@@ -46,8 +46,9 @@ def test_commands_on_the_demo_output_run(tmp_path) -> None:
         env={"PATH": env_path},
     )
     assert demo.returncode == 0, demo.stderr
-    commands = [line for line in _blocks("bash")[1].strip().splitlines()]
-    assert commands and all(c.startswith("dlpipe ") for c in commands)
+    blocks = [b.strip().splitlines() for b in _blocks("bash")[1:]]
+    commands = [c for block in blocks if block[0].startswith("dlpipe ") for c in block]
+    assert len(commands) >= 3 and all(c.startswith("dlpipe ") for c in commands)
     for command in commands:
         done = subprocess.run(
             command,
