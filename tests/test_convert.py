@@ -374,3 +374,26 @@ def test_mnist_idx_files_convert_end_to_end(tmp_path) -> None:
     assert manifest.source["kind"] == "mnist" and manifest.classes == tuple("0123456789")
     sample = dlpipe.decode_sample(read_all(out)[0])
     assert sample["png"].size == (28, 28) and sample["png"].mode == "L"
+
+
+def test_csv_table_of_paths_converts_end_to_end(tmp_path) -> None:
+    raw = tmp_path / "table"
+    (raw / "images").mkdir(parents=True)
+    rows = ["path,label,photographer"]
+    for i, sample in enumerate(dlpipe.synthetic.synthetic_samples(8)):
+        (raw / "images" / f"{i}.jpg").write_bytes(sample["jpg"])
+        rows.append(f"images/{i}.jpg,{SHAPE_CLASSES[int(sample['cls'])]},ann{i % 2}")
+    (raw / "table.csv").write_text("\n".join(rows) + "\n")  # paths relative to the table
+    assert run([str(raw / "table.csv"), "--to", "lmdb", "--out", str(tmp_path / "t")]) == 0
+    manifest = dlpipe.read_manifest(str(tmp_path / "t"))
+    assert manifest.source["kind"] == "table" and manifest.classes == tuple(sorted(SHAPE_CLASSES))
+    got = [dlpipe.decode_sample(s) for s in read_all(tmp_path / "t")]
+    assert len(got) == 8 and {g["json"]["photographer"] for g in got} == {"ann0", "ann1"}
+
+
+def test_missing_label_column_is_one_clear_error(tmp_path, capsys) -> None:
+    raw = tmp_path / "t.csv"
+    raw.write_text("path,label\nmissing.jpg,cat\n")
+    assert run([str(raw), "--to", "wds", "--label-col", "kind", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "kind" in err and "label" in err and err.count("\n") == 1
