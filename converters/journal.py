@@ -50,7 +50,8 @@ class Journal:
     def record(self, result: TaskResult) -> None:
         data = asdict(result)
         path = storage.join(self.folder, f"{result.name}.json")
-        storage.atomic_write_bytes(path, json.dumps(data, sort_keys=True).encode())
+        # not fsynced: a record lost in a power cut only means that shard is written again
+        storage.atomic_write_bytes(path, json.dumps(data, sort_keys=True).encode(), durable=False)
 
     def finished(self) -> dict[str, TaskResult]:
         """Results of the shards finished so far, by shard name."""

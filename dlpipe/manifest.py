@@ -122,6 +122,7 @@ class Manifest:
 
 def write_manifest(folder: str, manifest: Manifest) -> None:
     """Write ``dlpipe.json`` into `folder` atomically (temp name, fsync, rename)."""
+    storage.sync_dir(folder)  # every shard's rename is durable before the manifest names it
     text = json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n"
     storage.atomic_write_bytes(storage.join(folder, MANIFEST_NAME), text.encode("utf-8"))
 

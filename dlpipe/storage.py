@@ -27,6 +27,7 @@ __all__ = [
     "remove",
     "size",
     "staging_dir",
+    "sync_dir",
 ]
 
 
@@ -127,8 +128,19 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def publish_file(tmp_path: str, dest: str) -> None:
-    """Move a finished local temp file to `dest` (path or URL) so it appears whole or not at all."""
+def sync_dir(folder: str) -> None:
+    """Make the renames into a local folder durable (no-op for URLs)."""
+    if not is_url(folder):
+        _fsync_dir(os.path.abspath(local_path(folder)))
+
+
+def publish_file(tmp_path: str, dest: str, *, sync_folder: bool = True) -> None:
+    """Move a finished local temp file to `dest` (path or URL) so it appears whole or not at all.
+
+    Locally the file's data is fsynced, then renamed; with `sync_folder` the folder is fsynced
+    too, so the rename itself survives a power cut. Writers of many files (shards) pass
+    ``sync_folder=False`` and call `sync_dir` once before the manifest, which is written durably.
+    """
     if is_url(dest):
         fs, p = _fs(dest)
         fs.put_file(tmp_path, p)
@@ -138,17 +150,25 @@ def publish_file(tmp_path: str, dest: str) -> None:
     with open(tmp_path, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp_path, dest)
-    _fsync_dir(os.path.dirname(os.path.abspath(dest)))
+    if sync_folder:
+        _fsync_dir(os.path.dirname(os.path.abspath(dest)))
 
 
-def atomic_write_bytes(dest: str, data: bytes) -> None:
-    """Write `data` to `dest` atomically."""
+def atomic_write_bytes(dest: str, data: bytes, *, durable: bool = True) -> None:
+    """Write `data` to `dest` atomically (temp name, then rename).
+
+    `durable=False` skips the fsyncs, for records whose loss only costs redoing work (the
+    conversion journal): the file still appears whole or not at all.
+    """
     near = None if is_url(dest) else os.path.dirname(os.path.abspath(local_path(dest)))
     with staging_dir(near) as tmp:
         tmp_path = os.path.join(tmp, "." + os.path.basename(dest) + ".tmp")
         with open(tmp_path, "wb") as f:
             f.write(data)
-        publish_file(tmp_path, dest)
+        if durable or is_url(dest):
+            publish_file(tmp_path, dest)
+        else:
+            os.replace(tmp_path, local_path(dest))
 
 
 @contextlib.contextmanager

@@ -215,7 +215,7 @@ class ShardBuilder:
             bytes=os.path.getsize(self.tmp_path),
             sha256=file_sha256(self.tmp_path),
         )
-        storage.publish_file(self.tmp_path, self.dest)
+        storage.publish_file(self.tmp_path, self.dest, sync_folder=False)
         return info
 
     def abort(self) -> None:
