@@ -384,7 +384,24 @@ def test_csv_table_of_paths_converts_end_to_end(tmp_path) -> None:
         (raw / "images" / f"{i}.jpg").write_bytes(sample["jpg"])
         rows.append(f"images/{i}.jpg,{SHAPE_CLASSES[int(sample['cls'])]},ann{i % 2}")
     (raw / "table.csv").write_text("\n".join(rows) + "\n")  # paths relative to the table
-    assert run([str(raw / "table.csv"), "--to", "lmdb", "--out", str(tmp_path / "t")]) == 0
+    assert (
+        run(
+            [
+                str(raw / "table.csv"),
+                "--to",
+                "lmdb",
+                "--out",
+                str(tmp_path / "t"),
+                "--image-col",
+                "path",
+                "--label-col",
+                "label",
+                "--source",
+                "table",
+            ]
+        )
+        == 0
+    )
     manifest = dlpipe.read_manifest(str(tmp_path / "t"))
     assert manifest.source["kind"] == "table" and manifest.classes == tuple(sorted(SHAPE_CLASSES))
     got = [dlpipe.decode_sample(s) for s in read_all(tmp_path / "t")]
@@ -397,3 +414,14 @@ def test_missing_label_column_is_one_clear_error(tmp_path, capsys) -> None:
     assert run([str(raw), "--to", "wds", "--label-col", "kind", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "kind" in err and "label" in err and err.count("\n") == 1
+
+
+def test_source_override_and_unknown_choices(tmp_path, capsys) -> None:
+    raw = make_raw(tmp_path / "raw", per_class=1, splits=False)
+    out = tmp_path / "out"
+    assert run([str(raw), "--to", "wds", "--out", str(out), "--source", "table"]) == 2
+    assert "table" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        run([str(raw), "--to", "zip"])
+    assert exit_info.value.code == 2
+    assert run([str(raw), "--to", "wds", "--out", str(out), "--source", "imagefolder"]) == 0
