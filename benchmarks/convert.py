@@ -51,7 +51,6 @@ import io
 import json
 import multiprocessing
 import os
-import platform
 import pstats
 import re
 import shutil
@@ -65,12 +64,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import PIL
 from PIL import Image, features
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import make_corpus  # a sibling script, not a package
+from corpus import make_corpus  # sibling scripts, not a package
+from machine import machine_info as shared_machine_info
 
 FORMATS = ("wds", "lmdb", "hdf5")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -322,22 +321,12 @@ def profile_dlpipe(root: str, work: str, top: int = 18) -> str:
 def machine_info() -> dict[str, Any]:
     from dlpipe import __version__ as dlpipe_version
 
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count() or 1
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
-        "processor": platform.processor() or platform.machine(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "pillow": PIL.__version__,
-        "libjpeg_turbo": features.version("jpg") if features.check("libjpeg_turbo") else None,
-        "numpy": np.__version__,
-        "dlpipe": dlpipe_version,
-        "litdata": litdata_version() or "not installed",
-    }
+    return shared_machine_info(
+        pillow=PIL.__version__,
+        libjpeg_turbo=features.version("jpg") if features.check("libjpeg_turbo") else None,
+        dlpipe=dlpipe_version,
+        litdata=litdata_version() or "not installed",
+    )
 
 
 def load_average() -> list[float] | None:

@@ -52,7 +52,6 @@ import gc
 import io
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -67,6 +66,9 @@ import numpy as np
 from PIL import Image
 
 from dlpipe.synthetic import synthetic_samples
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine_info as shared_machine_info  # a sibling script, not a package
 
 LAYOUTS = ("blob", "vlen")
 BATCH = 256
@@ -275,20 +277,7 @@ def bench_layout(
 
 
 def machine_info() -> dict[str, Any]:
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count()
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
-        "processor": platform.processor() or platform.machine(),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "h5py": h5py.version.version,
-        "hdf5": h5py.version.hdf5_version,
-    }
+    return shared_machine_info(h5py=h5py.version.version, hdf5=h5py.version.hdf5_version)
 
 
 METRICS = (

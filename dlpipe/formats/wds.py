@@ -58,8 +58,9 @@ def _header(name: str, size: int) -> bytes:
     info.mtime = 0
     info.mode = 0o444
     info.uname = info.gname = ""
-    fmt = tarfile.USTAR_FORMAT if len(name) <= tarfile.LENGTH_NAME else tarfile.PAX_FORMAT
-    return info.tobuf(fmt, "utf-8", "strict")
+    if len(name) <= tarfile.LENGTH_NAME:
+        return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict")
 
 
 class WdsReader(ShardReader):
