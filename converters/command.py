@@ -59,7 +59,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-def add_convert_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="turn raw data into verified shards with a manifest")
     p.add_argument(
         "raw",
