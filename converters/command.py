@@ -152,7 +152,7 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
         def advance(result: TaskResult) -> None:
             task = progress.tasks[bar]
             elapsed = max(task.elapsed or 0.0, 1e-3)
-            mb = task.fields["mb"] + result.bytes_in / 1e6
+            mb = task.fields["mb"] + result.payload_bytes / 1e6
             written = result.info.samples if result.info else 0
             done = task.completed + written + len(result.skipped)
             progress.update(
@@ -173,7 +173,7 @@ def _summary(result: ConvertResult, console: Console) -> None:
     rate = written / result.seconds if result.seconds else 0.0
     console.print(
         f"{written} samples in {result.seconds:.1f} s ({rate:.0f} samples/s, "
-        f"{result.bytes_in / 1e6 / max(result.seconds, 1e-9):.1f} MB/s)"
+        f"{result.payload_bytes / 1e6 / max(result.seconds, 1e-9):.1f} MB/s)"
         + (f"; resumed {result.resumed_shards} finished shards" if result.resumed_shards else "")
         + (f"; re-encoded {result.reencoded} images" if result.reencoded else "")
     )

@@ -97,7 +97,7 @@ class ConvertResult:
     samples_in: int
     skipped: list[dict[str, Any]]
     reencoded: int
-    bytes_in: int
+    payload_bytes: int
     resumed_shards: int = 0
 
 
@@ -208,7 +208,7 @@ def convert(
         samples_in=sum(len(t.items) for t in plan.tasks),
         skipped=[s for r in ordered for s in r.skipped],
         reencoded=sum(r.reencoded for r in ordered),
-        bytes_in=sum(r.bytes_in for r in ordered),
+        payload_bytes=sum(r.payload_bytes for r in ordered),
         resumed_shards=len(plan.tasks) - len(pending),
     )
 

@@ -41,7 +41,7 @@ class TaskResult:
     labels: list[int] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     reencoded: int = 0
-    bytes_in: int = 0
+    payload_bytes: int = 0
     fields: list[str] = field(default_factory=list)
 
 
@@ -78,7 +78,7 @@ def _samples(
                     result.reencoded += reencoded
                     name = config.image.field
                 sample[name] = data
-                result.bytes_in += len(data)
+                result.payload_bytes += len(data)
         except SampleError as exc:
             if config.on_error == "fail":
                 raise SampleError(f"{exc} (use --on-error skip to skip such samples)") from exc
