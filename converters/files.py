@@ -17,6 +17,7 @@ import os
 from collections import defaultdict
 
 from dlpipe.converters.source import (
+    SPLIT_NAMES,
     Item,
     SampleError,
     Scan,
@@ -29,7 +30,6 @@ from dlpipe.sample import check_field_name, escape_key
 
 __all__ = ["FilesSource"]
 
-_SPLITS = {"train": "train", "val": "val", "validation": "val", "test": "test"}
 _CLASSES_FILE = "classes.txt"
 
 
@@ -56,9 +56,9 @@ class FilesSource(Source):
         return bool(stems) and sum(len(e) > 1 for e in stems.values()) > len(stems) // 2
 
     def _split_folders(self) -> dict[str | None, str]:
-        subdirs = [d for d in sorted(os.listdir(self.root)) if d in _SPLITS]
+        subdirs = [d for d in sorted(os.listdir(self.root)) if d in SPLIT_NAMES]
         if subdirs and all(os.path.isdir(os.path.join(self.root, d)) for d in subdirs):
-            return {_SPLITS[d]: os.path.join(self.root, d) for d in subdirs}
+            return {SPLIT_NAMES[d]: os.path.join(self.root, d) for d in subdirs}
         return {None: self.root}
 
     def scan(self) -> Scan:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from dlpipe.converters.source import (
+    SPLIT_NAMES,
     Item,
     Scan,
     Source,
@@ -26,8 +27,6 @@ from dlpipe.converters.source import (
 from dlpipe.sample import escape_key
 
 __all__ = ["ImageFolderSource"]
-
-_SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
 
 
 def _visible(names: list[str]) -> list[str]:
@@ -48,7 +47,7 @@ class ImageFolderSource(Source):
     def split_roots(self) -> dict[str | None, str]:
         """Split name → folder; ``{None: root}`` when the root is one class tree."""
         subdirs = set(_class_dirs(self.root))
-        named = {_SPLIT_NAMES[d]: d for d in sorted(subdirs) if d in _SPLIT_NAMES}
+        named = {SPLIT_NAMES[d]: d for d in sorted(subdirs) if d in SPLIT_NAMES}
         if "train" in named and len(named) > 1:
             return {split: os.path.join(self.root, d) for split, d in named.items()}
         return {None: self.root}

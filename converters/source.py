@@ -28,6 +28,7 @@ from dlpipe.errors import DlpipeError
 
 __all__ = [
     "IMAGE_SUFFIXES",
+    "SPLIT_NAMES",
     "Item",
     "SampleError",
     "Scan",
@@ -38,6 +39,9 @@ __all__ = [
     "image_kind_of_name",
     "read_file",
 ]
+
+SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
+"""Folder, file or column names that mean a split → the split's name in the dataset."""
 
 IMAGE_SUFFIXES = frozenset(
     {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}

@@ -24,6 +24,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from dlpipe.converters.source import (
+    SPLIT_NAMES,
     SourceError,
     SourceOptions,
     image_kind_of_bytes,
@@ -52,7 +53,6 @@ TABLE_SUFFIXES = {
     ".parquet": "parquet",
 }
 _SPLIT_PREFIXES = (("validation", "val"), ("train", "train"), ("val", "val"), ("test", "test"))
-_SPLIT_VALUES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
 _IMAGE_NAMES = ("image", "img", "image_path", "path", "file", "filename", "filepath", "file_name")
 _LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "class_name")
 _KEY_NAMES = ("__key__", "key", "id")
@@ -320,12 +320,12 @@ def _row_splits(table: pa.Table, cols: Columns, scan: FileScan) -> list[str | No
     out: list[str | None] = []
     for row, value in enumerate(table.column(cols.split).to_pylist()):
         text = str(value).strip().lower() if value is not None else ""
-        if text and text not in _SPLIT_VALUES:
+        if text and text not in SPLIT_NAMES:
             raise SourceError(
                 f"{scan.name} row {row}: split {value!r} is not train, val, validation or "
                 f"test; fix the value, or rename the {cols.split!r} column to keep it as data"
             )
-        out.append(_SPLIT_VALUES.get(text))
+        out.append(SPLIT_NAMES.get(text))
     return out
 
 

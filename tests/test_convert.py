@@ -84,25 +84,14 @@ def test_same_input_and_options_give_identical_output(tmp_path) -> None:
 
 def test_samples_are_shuffled_across_shards_and_val_is_stratified(tmp_path) -> None:
     raw = make_raw(tmp_path / "raw", per_class=20, splits=False)
-    out = tmp_path / "out"
-    assert (
-        run(
-            [
-                str(raw),
-                "--to",
-                "hdf5",
-                "--out",
-                str(out),
-                "--val-fraction",
-                "0.25",
-                "--shard-size",
-                "40KB",
-                "--seed",
-                "3",
-            ]
-        )
-        == 0
-    )
+
+    def convert_with_seed(seed: int) -> Path:
+        out = tmp_path / f"seed{seed}"
+        argv = [str(raw), "--to", "hdf5", "--out", str(out), "--val-fraction", "0.25"]
+        assert run([*argv, "--shard-size", "40KB", "--seed", str(seed)]) == 0
+        return out
+
+    out = convert_with_seed(3)
     manifest = dlpipe.read_manifest(str(out))
     assert manifest.splits["val"].class_counts == (5,) * 8
     assert manifest.splits["train"].class_counts == (15,) * 8
@@ -110,25 +99,7 @@ def test_samples_are_shuffled_across_shards_and_val_is_stratified(tmp_path) -> N
     assert len(shards) >= 3
     first = [int(s["cls"]) for s in read_all(out)][: shards[0].samples]
     assert len(set(first)) >= 4  # a shard mixes classes
-    other = tmp_path / "seed4"
-    assert (
-        run(
-            [
-                str(raw),
-                "--to",
-                "hdf5",
-                "--out",
-                str(other),
-                "--val-fraction",
-                "0.25",
-                "--shard-size",
-                "40KB",
-                "--seed",
-                "4",
-            ]
-        )
-        == 0
-    )
+    other = convert_with_seed(4)
     assert [s["__key__"] for s in read_all(other)] != [s["__key__"] for s in read_all(out)]
 
 
