@@ -25,14 +25,22 @@ from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
 from dlpipe.sample import Sample, check_key, escape_key, unescape_key
 from dlpipe.verify import Problem, VerifyReport, verify_dataset
 
-_LAZY = {"MapDataset", "StreamDataset", "open_dataset"}  # these import torch: only on first use
+# these import torch: only on first use, so the CLI and converters start fast
+_LAZY = {
+    "MapDataset": "dlpipe.dataset",
+    "StreamDataset": "dlpipe.dataset",
+    "open_dataset": "dlpipe.dataset",
+    "EpochSampler": "dlpipe.sampler",
+    "make_loader": "dlpipe.loader",
+    "normalize": "dlpipe.transforms",
+}
 
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        from dlpipe import dataset
+        import importlib
 
-        return getattr(dataset, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dlpipe' has no attribute {name!r}")
 
 
@@ -40,6 +48,7 @@ __all__ = [
     "FORMATS",
     "DatasetWriter",
     "DlpipeError",
+    "EpochSampler",
     "FieldDecodeError",
     "InvalidFieldError",
     "InvalidKeyError",
@@ -68,6 +77,8 @@ __all__ = [
     "escape_key",
     "field_type",
     "get_format",
+    "make_loader",
+    "normalize",
     "open_dataset",
     "read_manifest",
     "unescape_key",

@@ -1,0 +1,93 @@
+"""`EpochSampler`: a seeded, rank-aware, resumable sampler for random-access datasets.
+
+Each pass over it is one epoch: a permutation drawn from (seed, epoch), cut into one part per
+rank. With ``drop_last`` every rank gets exactly ``n // world_size`` samples, so every rank
+runs the same number of steps (uneven ranks hang DDP); without it, rank ``r`` gets every
+``world_size``-th sample from ``r`` on, all samples exactly once, none padded or repeated
+(exact evaluation). The next pass is the next epoch, with no ``set_epoch`` to forget.
+
+It is `Stateful`: ``state_dict()`` records the epoch and how many indices were drawn, and a
+loader restored from it continues with exactly the next index, without drawing the skipped
+ones; a new pass without a restored state starts the next epoch, as a DataLoader does.
+torchdata's ``StatefulDataLoader`` snapshots it when each batch's indices are drawn, so
+prefetching does not skew the resume point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+__all__ = ["EpochSampler"]
+
+
+class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
+    """Yields ``(epoch, index)`` pairs: the epoch lets the dataset seed per-sample augmentation.
+
+    Args:
+        num_samples: the dataset's length.
+        rank, world_size: this process's part.
+        shuffle: a new seeded permutation each epoch, else index order.
+        seed: seeds every epoch's permutation.
+        drop_last: equal parts per rank (drop the remainder), else every sample once.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        if drop_last and num_samples < world_size:
+            raise ValueError(
+                f"{num_samples} samples cannot give each of {world_size} ranks one; "
+                "use a larger split or fewer ranks"
+            )
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        self.drawn = 0
+        self._restored = False
+
+    def indices(self, epoch: int) -> np.ndarray:
+        """This rank's sample indices for `epoch`, in order."""
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        else:
+            order = np.arange(self.num_samples)
+        mine = order[self.rank :: self.world_size]
+        return mine[: self.num_samples // self.world_size] if self.drop_last else mine
+
+    def __len__(self) -> int:
+        return len(self.indices(0)) if self.shuffle else len(self.indices(self.epoch))
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        if self.drawn and not self._restored:  # a new pass abandons an unfinished epoch
+            self.epoch, self.drawn = self.epoch + 1, 0
+        self._restored = False
+        epoch, indices = self.epoch, self.indices(self.epoch)
+        while self.drawn < len(indices):
+            index = int(indices[self.drawn])
+            self.drawn += 1
+            yield epoch, index
+        self.epoch, self.drawn = epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "drawn": self.drawn, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"the saved loader state used seed {state['seed']}, this loader seed {self.seed}"
+            )
+        self.epoch, self.drawn = int(state["epoch"]), int(state["drawn"])
+        self._restored = True

@@ -1,0 +1,96 @@
+"""make_loader: uint8 batches from every format, exact ranks, mid-epoch resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FORMAT_NAMES
+
+import dlpipe
+from dlpipe.sampler import EpochSampler
+
+RANDOM_ACCESS = [f for f in FORMAT_NAMES if dlpipe.FORMATS[f].random_access]
+
+
+def _batches(loader, count=None):
+    out = []
+    for i, (images, labels) in enumerate(loader):
+        if count is not None and i == count:
+            break
+        out.append((images.clone(), labels.clone()))
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_batches_are_uint8_nchw_with_labels(fmt, make_dataset, samples) -> None:
+    loader = dlpipe.make_loader(
+        make_dataset(fmt), "val", batch_size=4, image_size=32, num_workers=0
+    )
+    (images, labels), (_, labels2) = _batches(loader)
+    assert images.shape == (4, 3, 32, 32) and images.dtype == torch.uint8
+    assert labels.tolist() + labels2.tolist() == [int(s["cls"]) for s in samples[32:40]]
+    normalized = dlpipe.normalize(images)
+    assert normalized.dtype == torch.float32 and abs(float(normalized.mean())) < 3
+
+
+@pytest.mark.parametrize("fmt", RANDOM_ACCESS)
+def test_mid_epoch_resume_yields_exactly_the_remaining_batches(fmt, make_dataset) -> None:
+    path = make_dataset(fmt)
+
+    def loader():
+        return dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=2, seed=5)
+
+    reference = loader()
+    iterator = iter(reference)
+    first = [next(iterator) for _ in range(3)]
+    state = reference.state_dict()
+    rest = list(iterator)
+    resumed = loader()
+    resumed.load_state_dict(state)
+    again = _batches(resumed)
+    assert len(first) + len(rest) == 8 and len(again) == len(rest)
+    for (a, la), (b, lb) in zip(rest, again, strict=True):
+        assert torch.equal(la, lb) and torch.equal(a, b)  # same samples, same augmentation
+
+
+def test_each_pass_is_a_new_epoch_with_a_new_order(make_dataset) -> None:
+    loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=8, transform=None, num_workers=0)
+    epochs = [[s["__key__"] for batch in loader for s in batch] for _ in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
+
+
+@pytest.mark.parametrize("fmt", RANDOM_ACCESS)
+def test_ranks_get_equal_disjoint_batches(fmt, tmp_path, samples) -> None:
+    from conftest import write_dataset
+
+    path = write_dataset(tmp_path / "d", fmt, {"train": samples[:37]})
+    parts = []
+    for rank in range(2):
+        loader = dlpipe.make_loader(
+            path, batch_size=4, transform=None, num_workers=0, rank=rank, world_size=2
+        )
+        parts.append([s["__key__"] for batch in loader for s in batch])
+    assert len(parts[0]) == len(parts[1]) == 16  # 18 per rank, 4 full batches each
+    assert not set(parts[0]) & set(parts[1])
+
+
+def test_eval_sampler_reads_every_sample_once_without_padding() -> None:
+    seen = [
+        list(EpochSampler(10, rank=r, world_size=3, shuffle=False, drop_last=False))
+        for r in range(3)
+    ]
+    indices = sorted(i for part in seen for _, i in part)
+    assert indices == list(range(10))
+
+
+def test_sampler_state_round_trip_and_seed_check() -> None:
+    sampler = EpochSampler(20, seed=1)
+    it = iter(sampler)
+    head = [next(it) for _ in range(7)]
+    state = sampler.state_dict()
+    tail = list(it)
+    other = EpochSampler(20, seed=1)
+    other.load_state_dict(state)
+    assert list(other) == tail and len(head) + len(tail) == 20
+    with pytest.raises(ValueError, match="seed"):
+        EpochSampler(20, seed=2).load_state_dict(state)
