@@ -141,6 +141,12 @@ class StreamDataset(PreparedDataset, torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         consumer, consumers = self.consumer()
+        self.check_shard_count(consumers)
+        for reader in self.readers[consumer::consumers]:
+            yield from (self._emit(s) for s in reader)
+
+    def check_shard_count(self, consumers: int) -> None:
+        """Each of `consumers` readers needs a shard of its own."""
         if len(self.readers) < consumers:
             raise ShardCountError(
                 f"{self.path} split {self.split!r} has {len(self.readers)} shards but "
@@ -148,8 +154,6 @@ class StreamDataset(PreparedDataset, torch.utils.data.IterableDataset):
                 f"{consumers // self.world_size} workers); each reader needs a shard of its "
                 "own. Use fewer DataLoader workers, or re-convert with a smaller --shard-size"
             )
-        for reader in self.readers[consumer::consumers]:
-            yield from (self._emit(s) for s in reader)
 
 
 def open_dataset(

@@ -16,11 +16,13 @@ profiles from ``dlpipe bench-loader`` are the next step.
 
 from __future__ import annotations
 
+import itertools
 import os
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -50,17 +52,87 @@ class _MapView(torch.utils.data.Dataset):
 
 
 class _StreamView(torch.utils.data.IterableDataset):
-    """Each pass is an epoch; samples are seeded by their key."""
+    """A streaming split as epochs of whole shards per rank x worker, resumable by position.
 
-    def __init__(self, dataset: StreamDataset, transform: Callable[..., Any] | None) -> None:
-        self.dataset, self.transform = dataset, transform
-        self.epoch = 0
+    Each epoch shuffles the shard order (seeded by epoch) and each block of `BLOCK_SAMPLES`
+    consecutive samples of a shard (seeded by epoch, shard and offset). The state is the
+    epoch, the shard position, the block's offset and how many of its samples were emitted:
+    a resumed worker seeks to the block, re-reads that one block and continues. With several
+    ranks every reader emits the same number of samples (the smallest share), so every rank
+    runs the same number of steps.
+    """
+
+    BLOCK_SAMPLES = 256
+
+    def __init__(
+        self,
+        dataset: StreamDataset,
+        transform: Callable[..., Any] | None,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
+        self.dataset, self.transform, self.shuffle, self.seed = dataset, transform, shuffle, seed
+        self.epoch, self.position, self.offset, self.emitted = 0, 0, 0, 0
+        self._restored = False
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "offset": self.offset,
+            "emitted": self.emitted,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"the saved loader state used seed {state['seed']}, not {self.seed}")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.offset, self.emitted = state["offset"], state["emitted"]
+        self._restored = True
+
+    def _shards(self, epoch: int) -> tuple[list[int], int]:
+        """This reader's shard indices for `epoch`, and how many samples each reader emits."""
+        consumer, consumers = self.dataset.consumer()
+        self.dataset.check_shard_count(consumers)
+        count = len(self.dataset.readers)
+        order = (
+            np.random.default_rng([self.seed, epoch]).permutation(count)
+            if self.shuffle
+            else (np.arange(count))
+        )
+        sizes = [len(r) for r in self.dataset.readers]
+        shares = [sum(sizes[i] for i in order[c::consumers]) for c in range(consumers)]
+        limit = min(shares) if self.dataset.world_size > 1 else shares[consumer]
+        return [int(i) for i in order[consumer::consumers]], limit
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        for sample in self.dataset:
-            index = zlib.crc32(str(sample[KEY_FIELD]).encode())
-            yield _apply(self.transform, sample, epoch, index)
+        if not self._restored and (self.position or self.offset or self.emitted):
+            self.epoch, self.position, self.offset, self.emitted = self.epoch + 1, 0, 0, 0
+        self._restored = False
+        epoch = self.epoch
+        shards, limit = self._shards(epoch)
+        done = sum(len(self.dataset.readers[i]) for i in shards[: self.position]) + self.offset
+        done += self.emitted
+        while self.position < len(shards) and done < limit:
+            shard = shards[self.position]
+            reader = self.dataset.readers[shard]
+            while self.offset < len(reader) and done < limit:
+                block = list(itertools.islice(reader.iter_from(self.offset), self.BLOCK_SAMPLES))
+                if self.shuffle:
+                    rng = np.random.default_rng([self.seed, epoch, shard, self.offset])
+                    block = [block[i] for i in rng.permutation(len(block))]
+                while self.emitted < len(block) and done < limit:
+                    sample = block[self.emitted]
+                    self.emitted += 1
+                    done += 1
+                    index = zlib.crc32(str(sample[KEY_FIELD]).encode())
+                    yield _apply(self.transform, sample, epoch, index)
+                if self.emitted == len(block):
+                    self.offset, self.emitted = self.offset + len(block), 0
+            if self.offset >= len(reader):
+                self.position, self.offset = self.position + 1, 0
+        self.epoch, self.position, self.offset, self.emitted = epoch + 1, 0, 0, 0
 
 
 def _apply(transform: Callable[..., Any] | None, sample: Sample, epoch: int, index: int) -> Any:
@@ -144,4 +216,4 @@ def make_loader(
         )
         return StatefulDataLoader(_MapView(dataset, fn), sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
-    return StatefulDataLoader(_StreamView(dataset, fn), **options)
+    return StatefulDataLoader(_StreamView(dataset, fn, shuffle, seed), **options)

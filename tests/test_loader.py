@@ -33,7 +33,7 @@ def test_batches_are_uint8_nchw_with_labels(fmt, make_dataset, samples) -> None:
     assert normalized.dtype == torch.float32 and abs(float(normalized.mean())) < 3
 
 
-@pytest.mark.parametrize("fmt", RANDOM_ACCESS)
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_mid_epoch_resume_yields_exactly_the_remaining_batches(fmt, make_dataset) -> None:
     path = make_dataset(fmt)
 
@@ -53,17 +53,18 @@ def test_mid_epoch_resume_yields_exactly_the_remaining_batches(fmt, make_dataset
         assert torch.equal(la, lb) and torch.equal(a, b)  # same samples, same augmentation
 
 
-def test_each_pass_is_a_new_epoch_with_a_new_order(make_dataset) -> None:
-    loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=8, transform=None, num_workers=0)
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_each_pass_is_a_new_epoch_with_a_new_order(fmt, make_dataset) -> None:
+    loader = dlpipe.make_loader(make_dataset(fmt), batch_size=8, transform=None, num_workers=0)
     epochs = [[s["__key__"] for batch in loader for s in batch] for _ in range(2)]
     assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
 
 
-@pytest.mark.parametrize("fmt", RANDOM_ACCESS)
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_ranks_get_equal_disjoint_batches(fmt, tmp_path, samples) -> None:
     from conftest import write_dataset
 
-    path = write_dataset(tmp_path / "d", fmt, {"train": samples[:37]})
+    path = write_dataset(tmp_path / "d", fmt, {"train": samples[:37]}, max_shard_samples=5)
     parts = []
     for rank in range(2):
         loader = dlpipe.make_loader(
@@ -94,3 +95,24 @@ def test_sampler_state_round_trip_and_seed_check() -> None:
     assert list(other) == tail and len(head) + len(tail) == 20
     with pytest.raises(ValueError, match="seed"):
         EpochSampler(20, seed=2).load_state_dict(state)
+
+
+def test_wds_with_fewer_shards_than_readers_says_so(tmp_path, samples) -> None:
+    from conftest import write_dataset
+
+    path = write_dataset(tmp_path / "d", "wds", {"train": samples[:8]}, max_shard_samples=None)
+    loader = dlpipe.make_loader(path, batch_size=2, transform=None, num_workers=2)
+    with pytest.raises(dlpipe.ShardCountError, match="--shard-size"):
+        next(iter(loader))
+
+
+def test_wds_resume_seeks_past_finished_blocks(make_dataset) -> None:
+    from dlpipe.loader import _StreamView
+
+    ds = dlpipe.open_dataset(make_dataset("wds"))
+    view = _StreamView(ds, None, shuffle=True, seed=3)
+    view.BLOCK_SAMPLES = 3
+    full = [s["__key__"] for s in view]
+    view.load_state_dict({"epoch": 0, "position": 2, "offset": 3, "emitted": 1, "seed": 3})
+    tail = [s["__key__"] for s in view]
+    assert tail == full[8 + 8 + 3 + 1 :]

@@ -138,6 +138,11 @@ class ShardReader(ABC):
     def __iter__(self) -> Iterator[Sample]:
         """Every sample of the shard, in order."""
 
+    def iter_from(self, start: int) -> Iterator[Sample]:
+        """Samples from index `start` on, without reading the earlier ones."""
+        for index in range(start, self.info.samples):
+            yield self.get(index)
+
     def get(self, index: int) -> Sample:
         """Sample `index` (0-based within the shard); random-access formats only."""
         raise TypeError(f"{type(self).__name__} is streaming-only; it has no random access")

@@ -68,13 +68,19 @@ class WdsReader(ShardReader):
         return None  # tar shards are opened per pass: a stream has no random access
 
     def __iter__(self) -> Iterator[Sample]:
+        return self.iter_from(0)
+
+    def iter_from(self, start: int) -> Iterator[Sample]:
+        """Samples from index `start` on; earlier members are seeked over, not read."""
         self.handle()  # checks the size against the manifest
-        index = 0
+        index = start
         try:
-            with storage.open_read(self.path) as f, tarfile.open(fileobj=f, mode="r|") as tar:
-                for key, fields in _group(tar, self):
-                    yield self.make_sample(index, key, fields)
-                    index += 1
+            with storage.open_read(self.path) as f:
+                mode = "r:" if f.seekable() else "r|"
+                with tarfile.open(fileobj=f, mode=mode) as tar:
+                    for key, fields in _group(tar, self, start):
+                        yield self.make_sample(index, key, fields)
+                        index += 1
         except ShardCorruptError:
             raise
         except (tarfile.TarError, EOFError, OSError) as exc:
@@ -83,21 +89,28 @@ class WdsReader(ShardReader):
             raise self.corrupt(f"holds {index} samples but the manifest says {self.info.samples}")
 
 
-def _group(tar: tarfile.TarFile, reader: WdsReader) -> Iterator[tuple[str, dict[str, bytes]]]:
+def _group(
+    tar: tarfile.TarFile, reader: WdsReader, skip: int = 0
+) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """(key, fields) of consecutive members; the first `skip` samples' data is never read."""
     key: str | None = None
     fields: dict[str, bytes] = {}
+    index = -1
     for member in tar:
         name_key, field = _split_member(member, reader)
-        if key is not None and name_key != key:
-            yield key, fields
-            fields = {}
-        key = name_key
+        if name_key != key:
+            if key is not None and index >= skip:
+                yield key, fields
+            key, fields, index = name_key, {}, index + 1
         if field in fields:
             raise reader.corrupt(f"member {member.name!r} appears twice")
+        if index < skip:
+            fields[field] = b""
+            continue
         data = tar.extractfile(member)
         assert data is not None  # regular files always have data
         fields[field] = data.read()
-    if key is not None:
+    if key is not None and index >= skip:
         yield key, fields
 
 
