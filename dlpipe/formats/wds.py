@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tarfile
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 from dlpipe import storage
 from dlpipe.errors import ShardCorruptError, UnsafeMemberError
@@ -75,18 +75,23 @@ class WdsReader(ShardReader):
         self.handle()  # checks the size against the manifest
         index = start
         try:
-            with storage.open_read(self.path) as f:
-                mode = "r:" if f.seekable() else "r|"
-                with tarfile.open(fileobj=f, mode=mode) as tar:
-                    for key, fields in _group(tar, self, start):
-                        yield self.make_sample(index, key, fields)
-                        index += 1
+            with storage.open_read(self.path) as f, _open_tar(f) as tar:
+                for key, fields in _group(tar, self, start):
+                    yield self.make_sample(index, key, fields)
+                    index += 1
         except ShardCorruptError:
             raise
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise self.corrupt(f"is not a readable tar ({exc})", index) from exc
         if index != self.info.samples:
             raise self.corrupt(f"holds {index} samples but the manifest says {self.info.samples}")
+
+
+def _open_tar(f: IO[bytes]) -> tarfile.TarFile:
+    """Seekable files open in random-access mode, so skipped members are seeked over."""
+    if f.seekable():
+        return tarfile.open(fileobj=f, mode="r:")
+    return tarfile.open(fileobj=f, mode="r|")
 
 
 def _group(
