@@ -35,6 +35,23 @@ def test_python_api_example_runs(tmp_path) -> None:
     assert "1 ('cat', 'dog')" in done.stdout
 
 
+def test_loader_example_runs_on_the_demo_output(tmp_path) -> None:
+    bindir = Path(sys.executable).parent
+    demo = subprocess.run(
+        [str(bindir / "dlpipe"), "demo", "--per-class", "10"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert demo.returncode == 0, demo.stderr
+    code = _blocks("python")[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "torch.Size([64, 3, 64, 64])" in done.stdout
+
+
 def test_commands_on_the_demo_output_run(tmp_path) -> None:
     bindir = Path(sys.executable).parent
     env_path = f"{bindir}:/usr/bin:/bin"
