@@ -22,6 +22,7 @@ from dlpipe.formats import FORMATS, get_format, write_shard
 from dlpipe.formats.writer import DatasetWriter, ShardLimits
 from dlpipe.inspection import describe_dataset
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
+from dlpipe.profile import LoaderProfile, ProfileError, find_profile, save_profile
 from dlpipe.sample import Sample, check_key, escape_key, unescape_key
 from dlpipe.verify import Problem, VerifyReport, verify_dataset
 
@@ -52,12 +53,14 @@ __all__ = [
     "FieldDecodeError",
     "InvalidFieldError",
     "InvalidKeyError",
+    "LoaderProfile",
     "Manifest",
     "ManifestError",
     "ManifestNotFoundError",
     "MapDataset",
     "OutputExistsError",
     "Problem",
+    "ProfileError",
     "Sample",
     "ShardCorruptError",
     "ShardCountError",
@@ -76,11 +79,13 @@ __all__ = [
     "encode_field",
     "escape_key",
     "field_type",
+    "find_profile",
     "get_format",
     "make_loader",
     "normalize",
     "open_dataset",
     "read_manifest",
+    "save_profile",
     "unescape_key",
     "verify_dataset",
     "write_shard",

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_parser(sub)
 
+    from dlpipe.tune_command import add_bench_parser
+
+    add_bench_parser(sub)
+
     verify = sub.add_parser("verify", help="check every shard's sha256 (and decode with --decode)")
     verify.add_argument("data", help="dataset folder or URL")
     verify.add_argument("--decode", action="store_true", help="also decode every sample")

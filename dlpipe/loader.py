@@ -9,15 +9,17 @@ Random-access formats (lmdb, hdf5) go through `EpochSampler`: seeded per epoch, 
 resumable without re-reading skipped samples. The streaming format (wds) gives each rank and
 worker whole shards (`dlpipe.dataset.StreamDataset`).
 
-Worker settings: explicit ``num_workers=``, ``prefetch_factor=``, ``pin_memory=`` win; otherwise
-a sensible default (all cores but one, prefetch 2, pinned memory when CUDA is there). Tuned
-profiles from ``dlpipe bench-loader`` are the next step.
+Worker settings: explicit ``num_workers=``, ``prefetch_factor=``, ``pin_memory=`` win; then a
+profile measured by ``dlpipe bench-loader`` for this dataset, machine and call
+(`dlpipe.profile`, found with ``profile="auto"``); otherwise a sensible default (all cores but
+one, prefetch 2, pinned memory when CUDA is there).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +30,7 @@ import torch.utils.data
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dlpipe.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
+from dlpipe.profile import LoaderProfile, select_profile
 from dlpipe.sample import KEY_FIELD, Sample
 from dlpipe.sampler import EpochSampler
 from dlpipe.transforms import ImageTransform, image_field
@@ -172,6 +175,7 @@ def make_loader(
     pin_memory: bool | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    profile: str | LoaderProfile | None = "auto",
 ) -> StatefulDataLoader:
     """A ``StatefulDataLoader`` over one split of a prepared dataset (any format).
 
@@ -184,8 +188,16 @@ def make_loader(
         image_size: the crop side of the image transforms.
         shuffle, drop_last: default True for the train split, False otherwise.
         seed: seeds the epoch permutations and augmentation.
-        num_workers, prefetch_factor, pin_memory: DataLoader worker settings.
+        num_workers, prefetch_factor, pin_memory: DataLoader worker settings; each one given
+            overrides the profile's value.
         rank, world_size: this process's part (default: torch.distributed or RANK/WORLD_SIZE).
+        profile: ``"auto"`` uses the settings ``dlpipe bench-loader`` saved for this dataset,
+            machine, split, batch size, transform and image size, if there are any (logged at
+            INFO on the ``dlpipe`` logger); a `LoaderProfile` is used as is; None, or no saved
+            profile, gives the defaults (all cores but one, prefetch 2, pinned memory with CUDA).
+
+    Raises:
+        ProfileError: ``profile="auto"`` met a malformed profiles file.
     """
     train = split == "train"
     shuffle = train if shuffle is None else shuffle
@@ -194,6 +206,18 @@ def make_loader(
     if transform == "auto":
         transform = "train" if train else "eval"
     fn = _resolve_transform(transform, dataset, image_size, seed)
+    chosen = select_profile(
+        profile,
+        path,
+        split=split,
+        batch_size=batch_size,
+        transform=transform,
+        image_size=image_size,
+    )
+    if chosen is not None:
+        num_workers = chosen.num_workers if num_workers is None else num_workers
+        prefetch_factor = chosen.prefetch_factor if prefetch_factor is None else prefetch_factor
+        pin_memory = chosen.pin_memory if pin_memory is None else pin_memory
     workers = max(1, (os.cpu_count() or 1) - 1) if num_workers is None else num_workers
     options: dict[str, Any] = {
         "batch_size": batch_size,
@@ -201,7 +225,7 @@ def make_loader(
         "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
         "collate_fn": _collate,
         "drop_last": drop_last,
-        "persistent_workers": workers > 0,
+        "persistent_workers": workers > 0 and (chosen is None or chosen.persistent_workers),
     }
     if workers > 0:
         options["prefetch_factor"] = prefetch_factor or 2
@@ -214,6 +238,12 @@ def make_loader(
             seed=seed,
             drop_last=drop_last,
         )
-        return StatefulDataLoader(_MapView(dataset, fn), sampler=sampler, **options)
+        return _quiet_loader(_MapView(dataset, fn), sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
-    return StatefulDataLoader(_StreamView(dataset, fn, shuffle, seed), **options)
+    return _quiet_loader(_StreamView(dataset, fn, shuffle, seed), **options)
+
+
+def _quiet_loader(dataset: Any, **options: Any) -> StatefulDataLoader:
+    with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on creation
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(dataset, **options)

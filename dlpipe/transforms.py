@@ -86,9 +86,10 @@ class ImageTransform:
         label = int(bytes(sample["cls"])) if "cls" in sample else -1  # type: ignore[arg-type]
         if self.recipe == "train":
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(
-                    int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0])
-                )
+                key = np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0]
+                # the CPU generator only: torch.manual_seed also queues CUDA/XPU/MTIA seeding,
+                # formatting a stack trace each time (a third of the loader's time)
+                torch.default_generator.manual_seed(int(key))
                 return self.ops()(image), label
         return self.ops()(image), label
 

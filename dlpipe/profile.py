@@ -1,0 +1,317 @@
+"""Loader profiles: measured DataLoader worker settings, saved and found again.
+
+``dlpipe bench-loader`` measures worker settings for one dataset on one machine and saves the
+fastest as a `LoaderProfile`; ``make_loader(profile="auto")`` finds it again. A profile only
+counts for the exact machine (`machine_key`) and loader call (`loader_key`) it was measured on.
+
+Profiles live beside the dataset in ``dlpipe-profiles.json``, or, when the dataset folder is not
+writable (or is a URL), in ``$XDG_CACHE_HOME/dlpipe/profiles/<16 hex>.json``, named by the
+SHA-256 of the dataset's absolute path or URL. Schema version 1::
+
+    {
+      "schema": "dlpipe.loader-profiles", "schema_version": 1,
+      "profiles": [
+        {"num_workers": 4, "prefetch_factor": 2, "pin_memory": true,
+         "persistent_workers": true, "samples_per_s": 1234.5,
+         "machine": {"cpus": 16, "gpu": "NVIDIA H200", "torch": "2.4.0"},
+         "loader": {"split": "train", "batch_size": 256, "transform": "train",
+                    "image_size": 224},
+         "created_by": "0.1.0"}
+      ]
+    }
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dlpipe import storage
+from dlpipe._version import __version__
+from dlpipe.errors import DlpipeError
+
+__all__ = [
+    "PROFILES_NAME",
+    "LoaderProfile",
+    "ProfileError",
+    "cache_file",
+    "find_profile",
+    "gpu_name",
+    "loader_key",
+    "machine_key",
+    "save_profile",
+    "select_profile",
+    "transform_name",
+]
+
+PROFILES_NAME = "dlpipe-profiles.json"
+SCHEMA_NAME = "dlpipe.loader-profiles"
+SCHEMA_VERSION = 1
+_FIX = "re-run `dlpipe bench-loader` on this dataset (it rewrites the file), or delete the file"
+_MACHINE_KEYS = {"cpus", "gpu", "torch"}
+_LOADER_KEYS = {"split", "batch_size", "transform", "image_size"}
+
+log = logging.getLogger("dlpipe")
+
+
+class ProfileError(DlpipeError, ValueError):
+    """A loader profiles file (or a profile in it) is malformed or of an unknown version."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderProfile:
+    """DataLoader worker settings measured for one dataset, machine and loader call.
+
+    Attributes:
+        num_workers, prefetch_factor, pin_memory, persistent_workers: the settings.
+        samples_per_s: the throughput they were measured at.
+        machine: the `machine_key` of the machine they were measured on.
+        loader: the `loader_key` of the loader call they were measured for.
+        created_by: the dlpipe version that measured them.
+    """
+
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    persistent_workers: bool
+    samples_per_s: float
+    machine: dict[str, Any]
+    loader: dict[str, Any]
+    created_by: str = __version__
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> LoaderProfile:
+        """Parse one profile object; `ProfileError` says which key breaks which rule."""
+        if not isinstance(data, dict):
+            raise ProfileError("a profile is not a JSON object")
+        try:
+            return cls(
+                num_workers=_count(data["num_workers"], "num_workers"),
+                prefetch_factor=_prefetch(data["prefetch_factor"]),
+                pin_memory=_flag(data["pin_memory"], "pin_memory"),
+                persistent_workers=_flag(data["persistent_workers"], "persistent_workers"),
+                samples_per_s=_rate(data["samples_per_s"]),
+                machine=_keyed(data["machine"], "machine", _MACHINE_KEYS),
+                loader=_keyed(data["loader"], "loader", _LOADER_KEYS),
+                created_by=_text(data["created_by"], "created_by"),
+            )
+        except KeyError as exc:
+            raise ProfileError(f"a profile is missing key {exc.args[0]!r}") from None
+
+    def matches(self, machine: dict[str, Any], loader: dict[str, Any]) -> bool:
+        return self.machine == machine and self.loader == loader
+
+
+def gpu_name() -> str:
+    """The name of CUDA device 0, or ``"none"`` without CUDA."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+
+
+def machine_key() -> dict[str, Any]:
+    """What a profile's settings depend on: CPU count, GPU model and torch version."""
+    import torch
+
+    return {"cpus": os.cpu_count(), "gpu": gpu_name(), "torch": torch.__version__.split("+")[0]}
+
+
+def transform_name(transform: str | Callable[..., Any] | None, split: str) -> str:
+    """``"train"``/``"eval"`` (``"auto"`` resolved by `split`), ``"none"`` or ``"custom"``."""
+    if transform is None:
+        return "none"
+    if callable(transform):
+        return "custom"
+    if transform == "auto":
+        return "train" if split == "train" else "eval"
+    return str(transform)
+
+
+def loader_key(
+    split: str, batch_size: int, transform: str | Callable[..., Any] | None, image_size: int
+) -> dict[str, Any]:
+    """What a profile's settings were measured for: one `make_loader` call's data options."""
+    return {
+        "split": split,
+        "batch_size": batch_size,
+        "transform": transform_name(transform, split),
+        "image_size": image_size,
+    }
+
+
+def writable(dataset_path: str) -> bool:
+    """Whether profiles can be saved beside the dataset (a local folder we may write to)."""
+    return not storage.is_url(dataset_path) and os.access(storage.local_path(dataset_path), os.W_OK)
+
+
+def cache_file(dataset_path: str) -> str:
+    """The user-cache profiles file for `dataset_path` (``$XDG_CACHE_HOME``, ~/.cache)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha256(_identity(dataset_path).encode("utf-8")).hexdigest()[:16]
+    return os.path.join(cache, "dlpipe", "profiles", f"{digest}.json")
+
+
+def save_profile(dataset_path: str | os.PathLike[str], profile: LoaderProfile) -> str:
+    """Save `profile` for the dataset, replacing one with the same machine and loader keys.
+
+    Returns:
+        The file written: beside the dataset when its folder is writable, else the user cache.
+    """
+    path = os.fspath(dataset_path)
+    dest = storage.join(path, PROFILES_NAME) if writable(path) else cache_file(path)
+    try:
+        kept = [p for p in _read(dest) if not p.matches(profile.machine, profile.loader)]
+    except ProfileError as exc:
+        log.warning("replacing an unreadable profiles file: %s", exc)
+        kept = []
+    document = {
+        "schema": SCHEMA_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "profiles": [p.to_json() for p in [*kept, profile]],
+    }
+    if not storage.is_url(dest):
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+    storage.atomic_write_bytes(dest, (json.dumps(document, indent=2) + "\n").encode("utf-8"))
+    return dest
+
+
+def find_profile(
+    dataset_path: str | os.PathLike[str],
+    *,
+    split: str,
+    batch_size: int,
+    transform: str | Callable[..., Any] | None,
+    image_size: int,
+) -> tuple[LoaderProfile, str] | None:
+    """The saved profile for this machine and loader call, and the file it came from.
+
+    Looks beside the dataset, then in the user cache; only an exact `machine_key` and
+    `loader_key` match counts.
+
+    Raises:
+        ProfileError: a profiles file there is malformed or of an unknown schema version.
+    """
+    path = os.fspath(dataset_path)
+    machine, loader = machine_key(), loader_key(split, batch_size, transform, image_size)
+    for source in (storage.join(path, PROFILES_NAME), cache_file(path)):
+        for profile in _read(source):
+            if profile.matches(machine, loader):
+                return profile, source
+    return None
+
+
+def select_profile(
+    profile: str | LoaderProfile | None,
+    dataset_path: str | os.PathLike[str],
+    *,
+    split: str,
+    batch_size: int,
+    transform: str | Callable[..., Any] | None,
+    image_size: int,
+) -> LoaderProfile | None:
+    """`make_loader`'s ``profile=``: ``"auto"`` finds a saved one (and logs it), else as given."""
+    if profile is None or isinstance(profile, LoaderProfile):
+        return profile
+    if profile != "auto":
+        raise ProfileError(f"profile={profile!r}: pass 'auto', a LoaderProfile or None")
+    found = find_profile(
+        dataset_path, split=split, batch_size=batch_size, transform=transform, image_size=image_size
+    )
+    if found is None:
+        log.debug(
+            "no loader profile for %s on this machine; using default worker settings",
+            os.fspath(dataset_path),
+        )
+        return None
+    chosen, source = found
+    log.info(
+        "using loader profile from %s: num_workers=%d prefetch_factor=%s pin_memory=%s "
+        "(measured %.0f samples/s)",
+        source,
+        chosen.num_workers,
+        chosen.prefetch_factor,
+        chosen.pin_memory,
+        chosen.samples_per_s,
+    )
+    return chosen
+
+
+def _identity(dataset_path: str) -> str:
+    if storage.is_url(dataset_path):
+        return dataset_path.rstrip("/")
+    return os.path.abspath(storage.local_path(dataset_path))
+
+
+def _read(source: str) -> list[LoaderProfile]:
+    """The profiles in one file ([] when there is none); `ProfileError` naming it if bad."""
+    try:
+        raw = storage.read_bytes(source)
+    except FileNotFoundError:
+        return []
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ProfileError(f"{source} is not valid JSON ({exc}); {_FIX}") from None
+    try:
+        return _parse(data)
+    except ProfileError as exc:
+        raise ProfileError(f"{source} is not a valid loader profiles file: {exc}; {_FIX}") from None
+
+
+def _parse(data: Any) -> list[LoaderProfile]:
+    if not isinstance(data, dict):
+        raise ProfileError("the top level is not a JSON object")
+    if data.get("schema") != SCHEMA_NAME:
+        raise ProfileError(f"'schema' is {data.get('schema')!r}, not {SCHEMA_NAME!r}")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ProfileError(f"schema_version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+    profiles = data.get("profiles")
+    if not isinstance(profiles, list):
+        raise ProfileError("'profiles' is not a list")
+    return [LoaderProfile.from_json(p) for p in profiles]
+
+
+def _count(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProfileError(f"{what} {value!r} is not a non-negative integer")
+    return value
+
+
+def _prefetch(value: Any) -> int | None:
+    if value is not None and (_count(value, "prefetch_factor") < 1):
+        raise ProfileError(f"prefetch_factor {value!r} is not null or a positive integer")
+    return value
+
+
+def _flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{what} {value!r} is not true or false")
+    return value
+
+
+def _rate(value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0:
+        raise ProfileError(f"samples_per_s {value!r} is not a non-negative number")
+    return float(value)
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ProfileError(f"{what} {value!r} is not a non-empty string")
+    return value
+
+
+def _keyed(value: Any, what: str, keys: set[str]) -> dict[str, Any]:
+    if not isinstance(value, dict) or set(value) != keys:
+        raise ProfileError(f"{what} {value!r} is not an object with keys {sorted(keys)}")
+    return dict(value)

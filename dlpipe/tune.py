@@ -1,0 +1,324 @@
+"""Measure the input pipeline and search its worker settings: what ``dlpipe bench-loader`` runs.
+
+1. **Stages**, on one process: read the samples' bytes, then + decode, + transform,
+   + collate. The per-sample cost each stage adds names the bottleneck.
+2. **Search**: each trial builds `make_loader` with one setting and measures samples/s after a
+   warm-up, in windows, until two windows agree within 5 % (or the trial's time is up). The
+   workers are hill-climbed (0, 1, 2, 3, 4, 6, 8, ... up to ``max_workers``) until the rate
+   stops rising, then ``prefetch_factor`` at the best worker count, then ``pin_memory`` when
+   a GPU is the target: a handful of trials instead of the full grid.
+3. **RAM budget**: worker memory (RSS, measured) is scaled to the next worker count; a trial
+   that would not fit in 80 % of the available memory is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from dlpipe.dataset import open_dataset
+from dlpipe.transforms import ImageTransform, decode_rgb, image_field
+
+__all__ = ["BenchConfig", "BenchReport", "StageRates", "Trial", "bench_loader", "verdict"]
+
+_MEMORY_SHARE = 0.8
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    path: str
+    split: str = "train"
+    batch_size: int = 64
+    transform: str = "train"
+    image_size: int = 224
+    budget_s: float = 60.0
+    max_workers: int | None = None
+    device: str = "cpu"
+    seed: int = 0
+
+    def worker_limit(self) -> int:
+        return self.max_workers if self.max_workers is not None else 2 * (os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class StageRates:
+    """Samples/s on one process after each stage, and the read rate in MB/s."""
+
+    read: float
+    decode: float
+    transform: float
+    collate: float
+    read_mb_per_s: float
+
+    def costs(self) -> dict[str, float]:
+        """Seconds per sample each stage adds."""
+        steps = [
+            ("read", self.read),
+            ("decode", self.decode),
+            ("transform", self.transform),
+            ("collate", self.collate),
+        ]
+        costs, before = {}, 0.0
+        for name, rate in steps:
+            total = 1.0 / rate
+            costs[name] = max(total - before, 0.0)
+            before = total
+        return costs
+
+
+@dataclass
+class Trial:
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    samples_per_s: float = 0.0
+    worker_rss_bytes: int = 0
+    skipped: str | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "num_workers": self.num_workers,
+            "prefetch_factor": self.prefetch_factor,
+            "pin_memory": self.pin_memory,
+        }
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    stages: StageRates
+    trials: list[Trial] = field(default_factory=list)
+    best: Trial | None = None
+    bottleneck: str = ""
+    advice: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stages": self.stages.__dict__,
+            "trials": [t.__dict__ for t in self.trials],
+            "best": self.best.__dict__ if self.best else None,
+            "bottleneck": self.bottleneck,
+            "advice": self.advice,
+        }
+
+
+def _clock(iterable: Iterator[Any], seconds: float, minimum: int) -> tuple[list[Any], float]:
+    items, start = [], time.perf_counter()
+    for item in iterable:
+        items.append(item)
+        if len(items) >= minimum and time.perf_counter() - start >= seconds:
+            break
+    return items, time.perf_counter() - start
+
+
+def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
+    """One process, stage by stage, on the first samples of the split."""
+    dataset = open_dataset(config.path, config.split, rank=0, world_size=1)
+    samples, read_s = _clock(iter(dataset), seconds, minimum=config.batch_size)
+    field_name = image_field(list(dataset.manifest.fields))
+    nbytes = sum(len(s[field_name]) for s in samples)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what a DataLoader worker gets
+    start = time.perf_counter()
+    images = [decode_rgb(s[field_name]) for s in samples]
+    decode_s = time.perf_counter() - start
+    transform = ImageTransform(config.transform, config.image_size, field_name, config.seed)
+    start = time.perf_counter()
+    crops = [transform.ops()(image) for image in images]
+    transform_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(0, len(crops) - config.batch_size + 1, config.batch_size):
+        torch.utils.data.default_collate(crops[i : i + config.batch_size])
+    collate_s = time.perf_counter() - start
+    dataset.close()
+    torch.set_num_threads(threads)
+    cumulative, rates = 0.0, []
+    for step in (read_s, decode_s, transform_s, collate_s):
+        cumulative += step
+        rates.append(len(samples) / max(cumulative, 1e-9))
+    read, decode, transform_rate, collate = rates
+    return StageRates(
+        read=read,
+        decode=decode,
+        transform=transform_rate,
+        collate=collate,
+        read_mb_per_s=nbytes / 1e6 / max(read_s, 1e-9),
+    )
+
+
+def _worker_rss() -> int:
+    """The workers' memory: proportional set size (shared library pages split between the
+    processes sharing them), so N workers are not counted as N copies of torch."""
+    total = 0
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), or the physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _batches(loader: Any) -> Iterator[Any]:
+    while True:  # small datasets: keep going, epoch after epoch
+        yield from loader
+
+
+def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
+    """Measure one setting: warm up, then windows until the rate is stable."""
+    from dlpipe.loader import make_loader
+
+    loader = make_loader(
+        config.path,
+        config.split,
+        config.batch_size,
+        transform=config.transform,
+        image_size=config.image_size,
+        seed=config.seed,
+        profile=None,
+        **trial.settings(),
+    )
+    batches = _batches(loader)
+    warnings.filterwarnings("ignore", message=".*num_workers.*", category=UserWarning)
+    for _ in range(max(2, trial.num_workers + 1)):
+        next(batches)  # warm-up: worker start, first prefetch
+    trial.worker_rss_bytes = _worker_rss()
+    deadline, window = time.perf_counter() + seconds, max(seconds / 4, 0.3)
+    rates: list[float] = []
+    while time.perf_counter() < deadline:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < window:
+            images, _ = next(batches)
+            count += len(images)
+        rates.append(count / (time.perf_counter() - start))
+        if len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= 0.05 * max(rates[-2], 1e-9):
+            break
+    trial.samples_per_s = rates[-1] if len(rates) < 2 else (rates[-1] + rates[-2]) / 2
+    trial.worker_rss_bytes = max(trial.worker_rss_bytes, _worker_rss())
+    del batches, loader
+    return trial
+
+
+def _worker_counts(limit: int) -> list[int]:
+    counts, n = [0, 1, 2, 3, 4], 6
+    while n <= limit:
+        counts.append(n)
+        n = n * 3 // 2 if n >= 8 else n + 2
+    return [c for c in counts if c <= limit]
+
+
+def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None) -> list[Trial]:
+    """Hill-climb workers, then prefetch, then pin_memory; returns every trial made."""
+    trials: list[Trial] = []
+    seconds = min(max(config.budget_s / 10, 1.0), 10.0)
+    memory = available_memory() * _MEMORY_SHARE
+    per_worker = 0.0
+
+    def run(trial: Trial) -> Trial:
+        nonlocal per_worker
+        needed = per_worker * trial.num_workers
+        if needed > memory:
+            trial.skipped = (
+                f"needs ~{needed / 1e9:.1f} GB of worker memory, {memory / 1e9:.1f} GB fit"
+            )
+        else:
+            run_trial(config, trial, seconds)
+            if trial.num_workers:
+                per_worker = max(per_worker, trial.worker_rss_bytes / trial.num_workers)
+        trials.append(trial)
+        if on_trial is not None:
+            on_trial(trial)
+        return trial
+
+    best: Trial | None = None
+    worse = 0
+    for workers in _worker_counts(config.worker_limit()):
+        trial = run(Trial(workers, 2 if workers else None, False))
+        if trial.skipped:
+            break
+        if best is None or trial.samples_per_s > best.samples_per_s:
+            best, worse = trial, 0
+        elif (worse := worse + 1) >= 2:
+            break
+    assert best is not None
+    if best.num_workers:
+        for prefetch in (4, 8):
+            trial = run(Trial(best.num_workers, prefetch, False))
+            if trial.skipped or trial.samples_per_s <= best.samples_per_s * 1.02:
+                break
+            best = trial
+    if config.device == "cuda" and torch.cuda.is_available():
+        run(Trial(best.num_workers, best.prefetch_factor, True))
+    return trials
+
+
+def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tuple[str, str]:
+    """(bottleneck, advice in plain words)."""
+    costs = stages.costs()
+    total = sum(costs.values())
+    stage = max(costs, key=lambda k: costs[k])
+    share = 100 * costs[stage] / total
+    single = stages.collate
+    rate = f"{best.samples_per_s:.0f} samples/s with {best.num_workers} workers"
+    if stage == "read":
+        advice = (
+            f"I/O-bound: reading is {share:.0f}% of the per-sample time "
+            f"({stages.read_mb_per_s:.0f} MB/s on one process); move the data to local "
+            "NVMe (DLPIPE_DATA_DIR) or give the loader more workers"
+        )
+    elif stage == "decode":
+        advice = (
+            f"decode-bound: decoding is {share:.0f}% of the per-sample time; re-convert "
+            f"with --max-side {max(2 * image_size, 160)} to store smaller images"
+        )
+    elif stage == "transform":
+        advice = (
+            f"transform-bound: crop and resize are {share:.0f}% of the per-sample time; "
+            "a smaller --image-size, or augmentation on the GPU, would help"
+        )
+    else:
+        advice = f"collate-bound: batching is {share:.0f}% of the per-sample time"
+    if best.samples_per_s < 0.7 * single * cores and best.num_workers >= cores:
+        advice += (
+            f"; the loader reaches {rate}, {best.samples_per_s / (single * cores):.0%} of "
+            f"{cores} cores x one process's {single:.0f} samples/s"
+        )
+    return stage, f"{advice} (best: {rate})"
+
+
+def bench_loader(
+    config: BenchConfig, on_trial: Callable[[Trial], None] | None = None
+) -> BenchReport:
+    """Stages, search, verdict (see the module docstring); saves nothing (the CLI does)."""
+    stages = measure_stages(config, seconds=min(max(config.budget_s / 20, 1.0), 5.0))
+    report = BenchReport(config=config, stages=stages)
+    report.trials = search(config, on_trial)
+    measured = [t for t in report.trials if not t.skipped]
+    report.best = max(measured, key=lambda t: t.samples_per_s)
+    report.bottleneck, report.advice = verdict(
+        stages, report.best, os.cpu_count() or 1, config.image_size
+    )
+    return report

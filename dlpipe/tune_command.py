@@ -1,0 +1,148 @@
+"""``dlpipe bench-loader``: measure, search, say what limits the pipeline, save the winner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:  # the tuner imports torch: only when the command runs
+    from dlpipe.tune import BenchReport, Trial
+
+__all__ = ["add_bench_parser", "run_bench_loader"]
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-loader", help="measure the input pipeline and tune its workers")
+    p.add_argument("data", help="dataset folder or URL")
+    p.add_argument("--split", default="train")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--transform", choices=["train", "eval"], default="train")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--budget", type=float, default=60.0, help="seconds for the whole search")
+    p.add_argument("--max-workers", type=int, help="largest num_workers tried (2x cores)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where batches go (pin_memory is tried for cuda)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", help="write a PNG of samples/s per trial here")
+    p.add_argument("--no-save", action="store_true", help="do not save the winning profile")
+    p.set_defaults(handler=run_bench_loader)
+
+
+def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
+    from dlpipe.tune import BenchConfig, bench_loader
+
+    config = BenchConfig(
+        path=args.data,
+        split=args.split,
+        batch_size=args.batch_size,
+        transform=args.transform,
+        image_size=args.image_size,
+        budget_s=args.budget,
+        max_workers=args.max_workers,
+        device=args.device,
+    )
+    quiet = args.json
+
+    def show(trial: Trial) -> None:
+        if not quiet:
+            what = trial.skipped or f"{trial.samples_per_s:.0f} samples/s"
+            console.print(
+                f"  workers={trial.num_workers} prefetch={trial.prefetch_factor} "
+                f"pin={trial.pin_memory}: {what}"
+            )
+
+    report = bench_loader(config, on_trial=show)
+    saved = None if args.no_save else _save(report)
+    if args.plot:
+        _plot(report, args.plot)
+    if quiet:
+        print(json.dumps({**report.to_json(), "saved": saved}, indent=2))
+    else:
+        _print(report, console, saved)
+    return 0
+
+
+def _save(report: BenchReport) -> str:
+    from dlpipe.profile import LoaderProfile, loader_key, machine_key, save_profile
+
+    best, cfg = report.best, report.config
+    assert best is not None
+    from dlpipe._version import __version__
+
+    profile = LoaderProfile(
+        num_workers=best.num_workers,
+        prefetch_factor=best.prefetch_factor,
+        pin_memory=best.pin_memory,
+        persistent_workers=best.num_workers > 0,
+        samples_per_s=best.samples_per_s,
+        machine=machine_key(),
+        loader=loader_key(cfg.split, cfg.batch_size, cfg.transform, cfg.image_size),
+        created_by=__version__,
+    )
+    return save_profile(cfg.path, profile)
+
+
+def _print(report: BenchReport, console: Console, saved: str | None) -> None:
+    stages = Table("stage (one process)", "samples/s", title="pipeline stages")
+    s = report.stages
+    for name, rate in (
+        ("read", s.read),
+        ("+ decode", s.decode),
+        ("+ transform", s.transform),
+        ("+ collate", s.collate),
+    ):
+        stages.add_row(name, f"{rate:.0f}")
+    console.print(stages)
+    trials = Table(
+        "num_workers", "prefetch", "pin_memory", "samples/s", "worker RSS", title="trials"
+    )
+    for t in report.trials:
+        shown = t.skipped or f"{t.samples_per_s:.0f}"
+        mark = " ←" if t is report.best else ""
+        trials.add_row(
+            str(t.num_workers),
+            str(t.prefetch_factor),
+            str(t.pin_memory),
+            shown + mark,
+            f"{t.worker_rss_bytes / 1e6:.0f} MB",
+        )
+    console.print(trials)
+    best = report.best
+    assert best is not None
+    console.print(
+        f"chosen: num_workers={best.num_workers} prefetch_factor={best.prefetch_factor} "
+        f"pin_memory={best.pin_memory} ({best.samples_per_s:.0f} samples/s)"
+    )
+    console.print(f"verdict: {report.advice}")
+    if saved:
+        console.print(f"saved the profile to {saved}; dlpipe.make_loader uses it from now on")
+
+
+def _plot(report: BenchReport, path: str) -> None:
+    from PIL import Image, ImageDraw
+
+    measured = [t for t in report.trials if not t.skipped]
+    width, height, bar = 80 * len(measured) + 40, 320, 50
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    top = max(t.samples_per_s for t in measured) or 1.0
+    for i, t in enumerate(measured):
+        x = 30 + 80 * i
+        h = int((height - 80) * t.samples_per_s / top)
+        colour = (40, 120, 200) if t is not report.best else (220, 110, 30)
+        draw.rectangle((x, height - 40 - h, x + bar, height - 40), fill=colour)
+        draw.text((x, height - 35), f"w{t.num_workers} p{t.prefetch_factor}", fill="black")
+        draw.text((x, height - 55 - h), f"{t.samples_per_s:.0f}", fill="black")
+    draw.text(
+        (10, 10), f"samples/s per trial: {os.path.basename(report.config.path)}", fill="black"
+    )
+    image.save(path)

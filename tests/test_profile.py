@@ -1,0 +1,181 @@
+"""Loader profiles: saved beside the dataset or in the cache, found only on an exact match."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+import dlpipe
+from dlpipe import profile as profiles
+from dlpipe.profile import LoaderProfile, ProfileError, find_profile, save_profile
+
+KEY = {"split": "train", "batch_size": 4, "transform": "train", "image_size": 24}
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """Every test gets its own user cache and a fixed machine."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setattr(profiles, "gpu_name", lambda: "Test GPU 80GB")
+    return cache
+
+
+def _profile(**changes) -> LoaderProfile:
+    values = {
+        "num_workers": 3,
+        "prefetch_factor": 5,
+        "pin_memory": False,
+        "persistent_workers": True,
+        "samples_per_s": 1234.4,
+        "machine": profiles.machine_key(),
+        "loader": profiles.loader_key(**KEY),
+        "created_by": dlpipe.__version__,
+    }
+    return LoaderProfile(**(values | changes))
+
+
+def test_save_then_find_round_trips_beside_the_dataset(make_dataset) -> None:
+    path = make_dataset("lmdb")
+    saved = _profile()
+    where = save_profile(path, saved)
+    assert where == os.path.join(path, profiles.PROFILES_NAME)
+    assert find_profile(path, **KEY) == (saved, where)
+    data = json.loads(Path(where).read_text())
+    assert data["schema"] == "dlpipe.loader-profiles" and data["schema_version"] == 1
+
+
+def test_saving_the_same_key_replaces_and_other_keys_are_kept(make_dataset) -> None:
+    path = make_dataset("lmdb")
+    save_profile(path, _profile())
+    other = _profile(loader=profiles.loader_key(**(KEY | {"batch_size": 8})))
+    save_profile(path, other)
+    where = save_profile(path, _profile(num_workers=7))
+    assert len(json.loads(Path(where).read_text())["profiles"]) == 2
+    assert find_profile(path, **KEY)[0].num_workers == 7
+    assert find_profile(path, **(KEY | {"batch_size": 8}))[0] == other
+
+
+@pytest.mark.parametrize(
+    "change", [{"batch_size": 8}, {"image_size": 32}, {"transform": "eval"}, {"split": "val"}]
+)
+def test_a_different_loader_call_finds_nothing(make_dataset, change) -> None:
+    path = make_dataset("lmdb")
+    save_profile(path, _profile())
+    assert find_profile(path, **(KEY | change)) is None
+
+
+@pytest.mark.parametrize("what", ["gpu", "cpus"])
+def test_a_different_machine_finds_nothing(make_dataset, monkeypatch, what) -> None:
+    path = make_dataset("lmdb")
+    save_profile(path, _profile())
+    if what == "gpu":
+        monkeypatch.setattr(profiles, "gpu_name", lambda: "none")
+    else:
+        monkeypatch.setattr(os, "cpu_count", lambda: 1000)
+    assert find_profile(path, **KEY) is None
+
+
+def test_transform_names_in_the_key() -> None:
+    def name(transform, split="train"):
+        return profiles.loader_key(split, 4, transform, 24)["transform"]
+
+    assert [name("auto"), name("auto", "val"), name(None), name(len)] == [
+        "train",
+        "eval",
+        "none",
+        "custom",
+    ]
+
+
+def test_read_only_dataset_falls_back_to_the_user_cache(make_dataset, monkeypatch, cache_dir):
+    path = make_dataset("lmdb")
+    os.chmod(path, 0o555)  # root ignores the mode, hence the patched `writable` as well
+    monkeypatch.setattr(profiles, "writable", lambda p: False)
+    try:
+        where = save_profile(path, _profile())
+    finally:
+        os.chmod(path, 0o755)
+    assert os.path.dirname(where) == str(cache_dir / "dlpipe" / "profiles")
+    assert len(os.path.basename(where)) == len("0123456789abcdef.json")
+    assert not os.path.exists(os.path.join(path, profiles.PROFILES_NAME))
+    assert find_profile(path, **KEY) == (_profile(), where)
+
+
+def test_auto_uses_the_saved_settings_and_logs_them(make_dataset, caplog) -> None:
+    path = make_dataset("lmdb")
+    where = save_profile(path, _profile())
+    with caplog.at_level(logging.INFO, logger="dlpipe"):
+        loader = dlpipe.make_loader(path, batch_size=4, image_size=24)
+    assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory) == (3, 5, False)
+    assert (
+        f"using loader profile from {where}: num_workers=3 prefetch_factor=5 pin_memory=False "
+        "(measured 1234 samples/s)"
+    ) in caplog.text
+
+
+def test_explicit_settings_override_the_profile(make_dataset) -> None:
+    path = make_dataset("lmdb")
+    save_profile(path, _profile())
+    loader = dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=0)
+    assert (loader.num_workers, loader.prefetch_factor) == (0, None)
+    loader = dlpipe.make_loader(path, batch_size=4, image_size=24, prefetch_factor=2)
+    assert (loader.num_workers, loader.prefetch_factor) == (3, 2)
+
+
+def test_no_profile_gives_the_defaults(make_dataset, caplog) -> None:
+    path = make_dataset("lmdb")
+    with caplog.at_level(logging.DEBUG, logger="dlpipe"):
+        loader = dlpipe.make_loader(path, batch_size=4, image_size=24)
+    assert loader.num_workers == max(1, (os.cpu_count() or 1) - 1)
+    assert loader.prefetch_factor == 2 and "no loader profile" in caplog.text
+    save_profile(path, _profile())
+    loader = dlpipe.make_loader(path, batch_size=4, image_size=24, profile=None)
+    assert loader.num_workers == max(1, (os.cpu_count() or 1) - 1)
+
+
+def test_a_profile_passed_directly_is_used_as_is(make_dataset) -> None:
+    other_machine = _profile(num_workers=1, machine={"cpus": 1, "gpu": "none", "torch": "0"})
+    loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, profile=other_machine)
+    assert (loader.num_workers, loader.prefetch_factor) == (1, 5)
+
+
+@pytest.mark.parametrize(
+    "text, rule",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"schema": "dlpipe.loader-profiles", "schema_version": 2, "profiles": []}', "version"),
+        ('{"schema": "dlpipe.loader-profiles", "schema_version": 1, "profiles": [{}]}', "missing"),
+    ],
+)
+def test_a_malformed_profiles_file_is_named(make_dataset, text, rule) -> None:
+    path = make_dataset("lmdb")
+    bad = os.path.join(path, profiles.PROFILES_NAME)
+    with open(bad, "w") as f:
+        f.write(text)
+    with pytest.raises(ProfileError, match=rule) as info:
+        dlpipe.make_loader(path, batch_size=4, image_size=24)
+    assert bad in str(info.value) and "dlpipe bench-loader" in str(info.value)
+    assert isinstance(info.value, dlpipe.DlpipeError) and isinstance(info.value, ValueError)
+    assert save_profile(path, _profile()) == bad  # the fix works: saving replaces the bad file
+    assert find_profile(path, **KEY) is not None
+
+
+@pytest.mark.parametrize(
+    "change, rule",
+    [
+        ({"num_workers": -1}, "num_workers"),
+        ({"prefetch_factor": 0}, "prefetch_factor"),
+        ({"pin_memory": "yes"}, "pin_memory"),
+        ({"samples_per_s": "fast"}, "samples_per_s"),
+        ({"machine": {"gpu": "x"}}, "machine"),
+    ],
+)
+def test_profile_from_json_checks_each_value(change, rule) -> None:
+    with pytest.raises(ProfileError, match=rule):
+        LoaderProfile.from_json(_profile().to_json() | change)
+    assert LoaderProfile.from_json(_profile().to_json()) == _profile()
