@@ -176,6 +176,7 @@ def make_loader(
     rank: int | None = None,
     world_size: int | None = None,
     profile: str | LoaderProfile | None = "auto",
+    multiprocessing_context: str | None = None,
 ) -> StatefulDataLoader:
     """A ``StatefulDataLoader`` over one split of a prepared dataset (any format).
 
@@ -195,6 +196,8 @@ def make_loader(
             machine, split, batch size, transform and image size, if there are any (logged at
             INFO on the ``dlpipe`` logger); a `LoaderProfile` is used as is; None, or no saved
             profile, gives the defaults (all cores but one, prefetch 2, pinned memory with CUDA).
+        multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"`` for the workers
+            (default: the platform's); readers reopen in each worker either way.
 
     Raises:
         ProfileError: ``profile="auto"`` met a malformed profiles file.
@@ -229,6 +232,7 @@ def make_loader(
     }
     if workers > 0:
         options["prefetch_factor"] = prefetch_factor or 2
+        options["multiprocessing_context"] = multiprocessing_context
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(
             len(dataset),

@@ -116,3 +116,41 @@ def test_wds_resume_seeks_past_finished_blocks(make_dataset) -> None:
     view.load_state_dict({"epoch": 0, "position": 2, "offset": 3, "emitted": 1, "seed": 3})
     tail = [s["__key__"] for s in view]
     assert tail == full[8 + 8 + 3 + 1 :]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_workers_under_fork_and_spawn_give_every_sample_once(fmt, context, make_dataset) -> None:
+    loader = dlpipe.make_loader(
+        make_dataset(fmt),
+        "val",
+        batch_size=2,
+        transform=None,
+        num_workers=2,
+        multiprocessing_context=context,
+        profile=None,
+    )
+    keys = [s["__key__"] for batch in loader for s in batch]
+    assert len(keys) == len(set(keys)) == 32
+
+
+def _worker_pss(loader) -> int:
+    from dlpipe.tune import _worker_rss
+
+    return _worker_rss()
+
+
+@pytest.mark.slow
+def test_worker_memory_does_not_grow_across_epochs(tmp_path) -> None:
+    from conftest import mixed_samples, write_dataset
+
+    path = write_dataset(
+        tmp_path / "d", "lmdb", {"train": mixed_samples(400)}, max_shard_samples=50
+    )
+    loader = dlpipe.make_loader(path, batch_size=16, transform=None, num_workers=1, profile=None)
+    sizes = []
+    for _ in range(4):
+        assert sum(len(batch) for batch in loader) == 400
+        sizes.append(_worker_pss(loader))
+    assert sizes[0] > 0
+    assert sizes[-1] - sizes[1] < 16 * 2**20, sizes  # no copy-on-read creep per epoch
