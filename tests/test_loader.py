@@ -123,7 +123,7 @@ def test_wds_resume_seeks_past_finished_blocks(make_dataset) -> None:
 def test_workers_under_fork_and_spawn_give_every_sample_once(fmt, context, make_dataset) -> None:
     loader = dlpipe.make_loader(
         make_dataset(fmt),
-        "val",
+        "train",
         batch_size=2,
         transform=None,
         num_workers=2,
