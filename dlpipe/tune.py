@@ -4,9 +4,10 @@
    + collate. The per-sample cost each stage adds names the bottleneck.
 2. **Search**: each trial builds `make_loader` with one setting and measures samples/s after a
    warm-up, in windows, until two windows agree within 5 % (or the trial's time is up). The
-   workers are hill-climbed (0, 1, 2, 3, 4, 6, 8, ... up to ``max_workers``) until the rate
-   stops rising, then ``prefetch_factor`` at the best worker count, then ``pin_memory`` when
-   a GPU is the target: a handful of trials instead of the full grid.
+   workers are hill-climbed (0, 1, 2, 3, 4, 6, 8, ... up to ``max_workers``): always up to the
+   core count (one worker is no faster than none, so an early dip means nothing), then
+   until two trials in a row are slower; then ``prefetch_factor`` at the best worker count,
+   then ``pin_memory`` when a GPU is the target: a handful of trials, not the full grid.
 3. **RAM budget**: worker memory (RSS, measured) is scaled to the next worker count; a trial
    that would not fit in 80 % of the available memory is skipped and says so.
 """
@@ -218,8 +219,17 @@ def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
             break
     trial.samples_per_s = rates[-1] if len(rates) < 2 else (rates[-1] + rates[-2]) / 2
     trial.worker_rss_bytes = max(trial.worker_rss_bytes, _worker_rss())
-    del batches, loader
+    _stop_workers(loader)
     return trial
+
+
+def _stop_workers(loader: Any) -> None:
+    """End a trial's persistent workers now, so they do not slow the next trial down."""
+    iterator = getattr(loader, "_iterator", None)
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    loader._iterator = None
 
 
 def _worker_counts(limit: int) -> list[int]:
@@ -254,15 +264,15 @@ def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None)
         return trial
 
     best: Trial | None = None
-    worse = 0
+    worse, cores = 0, os.cpu_count() or 1
     for workers in _worker_counts(config.worker_limit()):
         trial = run(Trial(workers, 2 if workers else None, False))
         if trial.skipped:
             break
         if best is None or trial.samples_per_s > best.samples_per_s:
             best, worse = trial, 0
-        elif (worse := worse + 1) >= 2:
-            break
+        elif (worse := worse + 1) >= 2 and workers >= cores:
+            break  # past the core count, two worse trials in a row end the climb
     assert best is not None
     if best.num_workers:
         for prefetch in (4, 8):
