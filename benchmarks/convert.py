@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import multiprocessing
 import os
 import pstats
@@ -68,6 +67,7 @@ import PIL
 from PIL import Image, features
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import dlpipe_executable, write_results  # sibling script
 from corpus import make_corpus  # sibling scripts, not a package
 from machine import machine_info as shared_machine_info
 
@@ -236,14 +236,6 @@ def corpus_files(root: str) -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         files += [os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(".jpg")]
     return files
-
-
-def dlpipe_executable() -> str:
-    exe = Path(sys.executable).parent / "dlpipe"
-    found = str(exe) if exe.exists() else shutil.which("dlpipe")
-    if not found:
-        raise FileNotFoundError("no dlpipe console script; run `pip install -e .` in this venv")
-    return found
 
 
 def parse_summary(stdout: str, images: int) -> dict[str, Any]:
@@ -603,10 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": profile,
         "total_s": time.perf_counter() - started,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out, stem, result, markdown)
     return 0
 
 

@@ -37,11 +37,9 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +60,7 @@ from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import convert_corpus, write_results  # sibling script
 from corpus import make_corpus  # sibling scripts, not a package
 from machine import machine_info as shared_machine_info
 
@@ -208,24 +207,6 @@ def time_decoders(files: list[str], repeats: int) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------- setup
-
-
-def dlpipe_executable() -> str:
-    exe = Path(sys.executable).parent / "dlpipe"
-    found = str(exe) if exe.exists() else shutil.which("dlpipe")
-    if not found:
-        raise FileNotFoundError("no dlpipe console script; run `pip install -e .` in this venv")
-    return found
-
-
-def convert(root: str, fmt: str, out: str) -> float:
-    cmd = [dlpipe_executable(), "convert", root, "--to", fmt, "--source", "imagefolder"]
-    cmd += ["--out", out, "--overwrite"]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
-    return time.perf_counter() - start
 
 
 def corpus_files(root: str) -> list[str]:
@@ -465,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         datasets, convert_s = {}, {}
         for fmt in args.formats:
             datasets[fmt] = os.path.join(work, fmt)
-            convert_s[fmt] = convert(root, fmt, datasets[fmt])
+            convert_s[fmt] = convert_corpus(root, fmt, datasets[fmt])
             log(f"  converted to {fmt} in {convert_s[fmt]:.1f} s")
         decoders = time_decoders(files[: args.decode_images], args.decode_repeats)
         rows = run_loaders(root, datasets, args)
@@ -496,10 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarise(rows, decoders, cores),
         "total_s": time.perf_counter() - started,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out, stem, result, markdown)
     return 0
 
 

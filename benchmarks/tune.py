@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import convert_corpus  # sibling script
 from corpus import make_corpus  # sibling scripts, not a package
 from machine import machine_info as shared_machine_info
 
@@ -55,24 +55,6 @@ GOAL_TIME = 0.25
 
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def dlpipe_executable() -> str:
-    exe = Path(sys.executable).parent / "dlpipe"
-    found = str(exe) if exe.exists() else shutil.which("dlpipe")
-    if not found:
-        raise FileNotFoundError("no dlpipe console script; run `pip install -e .` in this venv")
-    return found
-
-
-def convert(root: str, fmt: str, out: str) -> float:
-    cmd = [dlpipe_executable(), "convert", root, "--to", fmt, "--source", "imagefolder"]
-    cmd += ["--out", out, "--overwrite"]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
-    return time.perf_counter() - start
 
 
 def trial_seconds(budget_s: float) -> float:
@@ -242,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="dlpipe-bench-tune-")
     try:
         path = os.path.join(work, args.format)
-        convert_s = convert(root, args.format, path)
+        convert_s = convert_corpus(root, args.format, path)
         config = BenchConfig(path=path, batch_size=64, image_size=224, budget_s=args.budget)
         seconds = trial_seconds(args.budget)
         tuner = run_tuner(config)
