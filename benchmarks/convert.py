@@ -68,12 +68,11 @@ from PIL import Image, features
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import dlpipe_executable, write_results  # sibling script
-from corpus import make_corpus  # sibling scripts, not a package
+from corpus import DEFAULT_CORPUS, cached_corpus, corpus_files  # siblings
 from machine import machine_info as shared_machine_info
 
 FORMATS = ("wds", "lmdb", "hdf5")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_CORPUS = "/tmp/dlpipe-bench-corpus"
 GOAL_RATIO = 0.8  # each format >= 0.8x the limit
 GOAL_EFFICIENCY = 0.8  # speedup 1 -> N cores >= 0.8 * N counts as near-linear
 SUMMARY = re.compile(r"(\d+) samples in ([0-9.]+) s \(([0-9.]+) samples/s, ([0-9.]+) MB/s\)")
@@ -228,14 +227,6 @@ class Bench:
                 raise RuntimeError(f"litdata optimize failed ({proc.returncode}):\n{proc.stderr}")
 
         self.measure("litdata optimize", workers, run, "other tool")
-
-
-def corpus_files(root: str) -> list[str]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(".jpg")]
-    return files
 
 
 def parse_summary(stdout: str, images: int) -> dict[str, Any]:
@@ -553,8 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     cores = os.cpu_count() or 1
-    root = args.corpus or os.path.join(DEFAULT_CORPUS, f"{args.images}-s{args.seed}")
-    corpus = make_corpus(root, args.images, seed=args.seed, workers=cores)
+    root, corpus = cached_corpus(args.corpus, args.images, args.seed)
     print(f"corpus {root} ({'reused' if corpus['reused'] else 'made'})", file=sys.stderr)
     if args.work:
         os.makedirs(args.work, exist_ok=True)

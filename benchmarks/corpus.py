@@ -49,7 +49,18 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-__all__ = ["GENERATOR_VERSION", "MARKER_NAME", "image_bytes", "make_corpus", "read_marker"]
+__all__ = [
+    "DEFAULT_CORPUS",
+    "GENERATOR_VERSION",
+    "MARKER_NAME",
+    "cached_corpus",
+    "corpus_files",
+    "image_bytes",
+    "make_corpus",
+    "read_marker",
+]
+
+DEFAULT_CORPUS = "/tmp/dlpipe-bench-corpus"
 
 GENERATOR_VERSION = 1  # bump when the pixels change, so cached corpora are rebuilt
 MARKER_NAME = ".bench-corpus.json"
@@ -259,6 +270,21 @@ def _write_marker(root: str, content: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------- CLI
+
+
+def corpus_files(root: str) -> list[str]:
+    """Every image of a corpus, in a stable order."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files += [os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(".jpg")]
+    return files
+
+
+def cached_corpus(root: str | None, images: int, seed: int) -> tuple[str, dict[str, Any]]:
+    """The corpus at `root` (default: under DEFAULT_CORPUS), made once and reused after."""
+    root = root or os.path.join(DEFAULT_CORPUS, f"{images}-s{seed}")
+    return root, make_corpus(root, images, seed=seed, workers=os.cpu_count() or 1)
 
 
 def main(argv: list[str] | None = None) -> int:

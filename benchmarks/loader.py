@@ -61,7 +61,7 @@ from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import convert_corpus, write_results  # sibling script
-from corpus import make_corpus  # sibling scripts, not a package
+from corpus import DEFAULT_CORPUS, cached_corpus, corpus_files  # siblings
 from machine import machine_info as shared_machine_info
 
 FORMATS = ("wds", "lmdb", "hdf5")
@@ -69,7 +69,6 @@ WORKERS = (0, 1, 2, 3, 4)
 BATCH = 64
 SIZE = 224
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_CORPUS = "/tmp/dlpipe-bench-corpus"
 GOAL_BASELINE = 2.0  # dlpipe >= 2x the baseline
 GOAL_LIMIT = 0.9  # dlpipe >= 0.9x the physical limit
 
@@ -207,14 +206,6 @@ def time_decoders(files: list[str], repeats: int) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------- setup
-
-
-def corpus_files(root: str) -> list[str]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files += [os.path.join(dirpath, n) for n in sorted(filenames) if n.endswith(".jpg")]
-    return files
 
 
 def machine_info() -> dict[str, Any]:
@@ -437,8 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     started = time.perf_counter()
     cores = os.cpu_count() or 1
-    root = args.corpus or os.path.join(DEFAULT_CORPUS, f"{args.images}-s{args.seed}")
-    corpus = make_corpus(root, args.images, seed=args.seed, workers=cores)
+    root, corpus = cached_corpus(args.corpus, args.images, args.seed)
     log(f"corpus {root} ({'reused' if corpus['reused'] else 'made'})")
     files = corpus_files(root)
     work = tempfile.mkdtemp(prefix="dlpipe-bench-loader-")

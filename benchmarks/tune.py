@@ -39,14 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import convert_corpus  # sibling script
-from corpus import make_corpus  # sibling scripts, not a package
+from corpus import DEFAULT_CORPUS, cached_corpus  # siblings
 from machine import machine_info as shared_machine_info
 
 from dlpipe.tune import BenchConfig, Trial, bench_loader, run_trial
 
 FORMATS = ("wds", "lmdb", "hdf5")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DEFAULT_CORPUS = "/tmp/dlpipe-bench-corpus"
 GRID_WORKERS = (0, 1, 2, 3, 4)
 GRID_PREFETCH = (2, 4, 8)
 GOAL_RATE = 0.95
@@ -217,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     started = time.perf_counter()
-    cores = os.cpu_count() or 1
-    root = args.corpus or os.path.join(DEFAULT_CORPUS, f"{args.images}-s{args.seed}")
-    corpus = make_corpus(root, args.images, seed=args.seed, workers=cores)
+    root, corpus = cached_corpus(args.corpus, args.images, args.seed)
     log(f"corpus {root} ({'reused' if corpus['reused'] else 'made'})")
     work = tempfile.mkdtemp(prefix="dlpipe-bench-tune-")
     try:
