@@ -127,6 +127,7 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path, samples) -> None:
     with pytest.raises(dlpipe.OutputExistsError, match="--overwrite"):
         write_dataset(path, "wds", {"train": samples[:8]})
     (tmp_path / "d" / "notes.txt").write_text("mine")
+    (tmp_path / "d" / "dlpipe-profiles.json").write_text("{}")  # measured on the old data
     with dlpipe.DatasetWriter(out=path, format="lmdb", overwrite=True) as writer:
         writer.write("train", samples[0])
     names = sorted(os.listdir(path))

@@ -25,6 +25,7 @@ from dlpipe.errors import InvalidFieldError, OutputExistsError
 from dlpipe.formats import FORMATS, get_format, require_storage
 from dlpipe.formats.base import ShardBuilder, ShardFormat
 from dlpipe.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, write_manifest
+from dlpipe.profile import PROFILES_NAME
 from dlpipe.sample import sample_fields
 
 __all__ = [
@@ -205,7 +206,8 @@ def prepare_output(out: str, overwrite: bool) -> None:
     """Make `out` ready for a new dataset: refuse existing data unless `overwrite`.
 
     With `overwrite`, the old manifest goes first (so an interrupted overwrite never looks
-    complete), then the old dataset's shards; files dlpipe did not write are left alone.
+    complete), then the old dataset's shards and loader profiles; files dlpipe did not write
+    are left alone.
     """
     names = [n for n in storage.listdir(out) if not n.startswith(".dlpipe-tmp-")]
     if names and not overwrite:
@@ -219,6 +221,8 @@ def prepare_output(out: str, overwrite: bool) -> None:
         return
     if MANIFEST_NAME in names:
         storage.remove(storage.join(out, MANIFEST_NAME))
+    if PROFILES_NAME in names:  # loader settings measured on the old data
+        storage.remove(storage.join(out, PROFILES_NAME))
     suffixes = "|".join(re.escape(f.suffix) for f in FORMATS.values())
     shard_re = re.compile(rf"[A-Za-z0-9_]+-\d{{6}}({suffixes})")
     for name in names:
