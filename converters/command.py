@@ -15,7 +15,6 @@ from dlpipe.converters.engine import (
     ConvertConfig,
     ConvertResult,
     convert,
-    default_out,
     on_system_disk,
 )
 from dlpipe.converters.plan import Plan
@@ -128,7 +127,7 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
         engine=args.engine,
         ray_address=args.ray_address,
     )
-    out = config.out or default_out(config.raw, config.to)
+    out = config.output()
     console.print(f"dlpipe convert {config.raw} → {out} ({config.to}, engine {config.engine})")
     if on_system_disk(out):
         console.print(

@@ -31,7 +31,15 @@ from dlpipe.formats import get_format, require_storage
 from dlpipe.formats.writer import class_counts, prepare_output, remove_staging
 from dlpipe.manifest import MANIFEST_NAME, Manifest, SplitInfo, read_manifest, write_manifest
 
-__all__ = ["ConvertConfig", "ConvertResult", "DiskSpaceError", "convert", "default_out"]
+__all__ = [
+    "ConvertConfig",
+    "ConvertResult",
+    "DiskSpaceError",
+    "PlannedConversion",
+    "convert",
+    "default_out",
+    "plan_conversion",
+]
 
 ERRORS_NAME = "errors.jsonl"
 
@@ -73,6 +81,10 @@ class ConvertConfig:
             raise ValueError("--resume and --overwrite contradict each other; choose one")
         if self.workers < 1:
             raise ValueError(f"--workers {self.workers} must be at least 1")
+
+    def output(self) -> str:
+        """``--out``, or `default_out` when it is not given."""
+        return self.out or default_out(self.raw, self.to)
 
     def output_options(self, image_field: str, source_kind: str) -> dict[str, Any]:
         """The options that shape the output (recorded in the manifest and the plan)."""
@@ -126,10 +138,21 @@ def image_field_for(scan: Scan) -> str:
     return max(sorted(kinds), key=lambda k: (kinds[k], k == "jpg"))
 
 
-def plan_conversion(config: ConvertConfig) -> tuple[Any, Plan, WorkerConfig, dict[str, Any]]:
-    """Scan and plan: the source, the plan, the worker config and the recorded options."""
+@dataclass(frozen=True)
+class PlannedConversion:
+    """What scanning and planning produce: everything the shard tasks and the manifest need."""
+
+    source: Any
+    plan: Plan
+    worker: WorkerConfig
+    options: dict[str, Any]
+    description: dict[str, Any]
+
+
+def plan_conversion(config: ConvertConfig) -> PlannedConversion:
+    """Scan the source and plan the shards; nothing is written."""
     fmt = get_format(config.to)
-    out = config.out or default_out(config.raw, config.to)
+    out = config.output()
     require_storage(fmt, out)
     options = SourceOptions(image_col=config.image_col, label_col=config.label_col)
     source = open_source(config.raw, config.source, options)
@@ -149,9 +172,13 @@ def plan_conversion(config: ConvertConfig) -> tuple[Any, Plan, WorkerConfig, dic
         shard_bytes=config.shard_bytes,
         options=recorded,
     )
-    worker = WorkerConfig(out=out, format=fmt.name, image=image, on_error=config.on_error)
-    recorded["_source"] = {**scan.description, "samples": len(scan.items)}
-    return source, plan, worker, recorded
+    return PlannedConversion(
+        source=source,
+        plan=plan,
+        worker=WorkerConfig(out=out, format=fmt.name, image=image, on_error=config.on_error),
+        options=recorded,
+        description={**scan.description, "samples": len(scan.items)},
+    )
 
 
 def _with_classes(scan: Scan) -> Scan:
@@ -180,7 +207,8 @@ def convert(
         DiskSpaceError, UnsupportedStorageError: each with the fix in its message.
     """
     start = time.perf_counter()
-    source, plan, worker, recorded = plan_conversion(config)
+    planned = plan_conversion(config)
+    plan, worker = planned.plan, planned.worker
     out, journal = worker.out, Journal(worker.out)
     done = _prepare(out, journal, plan, config)
     pending = [t for t in plan.tasks if t.name not in done]
@@ -190,23 +218,24 @@ def convert(
     if on_start is not None:
         on_start(plan)
     if config.engine == "ray":
-        results = run_ray(source, pending, worker, config.ray_address)
+        results = run_ray(planned.source, pending, worker, config.ray_address)
     else:
-        results = run_local(source, pending, worker, config.workers)
+        results = run_local(planned.source, pending, worker, config.workers)
     for result in results:
         journal.record(result)
         done[result.name] = result
         if on_progress is not None:
             on_progress(result)
-    manifest = _finish(out, plan, done, recorded)
-    journal.remove()
     ordered = [done[t.name] for t in plan.tasks]
+    skipped = [s for r in ordered for s in r.skipped]
+    manifest = _finish(planned, ordered, skipped)
+    journal.remove()
     return ConvertResult(
         out=out,
         manifest=manifest,
         seconds=time.perf_counter() - start,
         samples_in=sum(len(t.items) for t in plan.tasks),
-        skipped=[s for r in ordered for s in r.skipped],
+        skipped=skipped,
         reencoded=sum(r.reencoded for r in ordered),
         payload_bytes=sum(r.payload_bytes for r in ordered),
         resumed_shards=len(plan.tasks) - len(pending),
@@ -251,9 +280,7 @@ def check_disk(out: str, estimated_bytes: int) -> None:
     """Refuse when the target filesystem lacks room; warn when it is the system disk."""
     if storage.is_url(out):
         return
-    probe = os.path.abspath(storage.local_path(out))
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
+    probe = _existing_ancestor(out)
     needed = int(estimated_bytes * 1.1) + (16 << 20)
     free = shutil.disk_usage(probe).free
     if needed > free:
@@ -267,19 +294,25 @@ def on_system_disk(out: str) -> bool:
     """True when a local `out` lands on the filesystem that holds ``/``."""
     if storage.is_url(out):
         return False
+    return os.stat(_existing_ancestor(out)).st_dev == os.stat("/").st_dev
+
+
+def _existing_ancestor(out: str) -> str:
+    """The nearest folder of a local `out` that exists already (its filesystem's)."""
     probe = os.path.abspath(storage.local_path(out))
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    return os.stat(probe).st_dev == os.stat("/").st_dev
+    return probe
 
 
 def _finish(
-    out: str, plan: Plan, done: dict[str, TaskResult], recorded: dict[str, Any]
+    planned: PlannedConversion, ordered: list[TaskResult], skipped: list[dict[str, Any]]
 ) -> Manifest:
+    """``errors.jsonl`` (when samples were skipped), then the manifest, last."""
+    plan, out = planned.plan, planned.worker.out
     splits: dict[str, SplitInfo] = {}
-    skipped = [s for t in plan.tasks for s in done[t.name].skipped]
     for split in plan.splits():
-        results = [done[t.name] for t in plan.tasks if t.split == split]
+        results = [r for r in ordered if r.split == split]
         shards = tuple(r.info for r in results if r.info is not None)
         if not shards:
             raise SourceError(f"every sample of split {split!r} was skipped; see {ERRORS_NAME}")
@@ -290,17 +323,15 @@ def _finish(
     if skipped:
         lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in skipped)
         storage.atomic_write_bytes(storage.join(out, ERRORS_NAME), lines.encode())
-    options = {k: v for k, v in recorded.items() if not k.startswith("_")}
-    source = {**recorded["_source"], "skipped": len(skipped)}
-    fmt = get_format(recorded["format"])
+    fmt = get_format(planned.worker.format)
     manifest = Manifest(
         format=fmt.name,
         format_version=fmt.version,
-        fields=_fields(list(done.values())),
+        fields=_fields(ordered),
         splits=splits,
         classes=plan.classes,
-        options=options,
-        source=source,
+        options=planned.options,
+        source={**planned.description, "skipped": len(skipped)},
     )
     write_manifest(out, manifest)
     return read_manifest(out)
