@@ -37,6 +37,7 @@ from dlpipe.errors import ManifestError, ManifestNotFoundError
 
 __all__ = [
     "MANIFEST_NAME",
+    "PROFILES_NAME",
     "SCHEMA_VERSION",
     "Manifest",
     "ShardInfo",
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "dlpipe.json"
+PROFILES_NAME = "dlpipe-profiles.json"  # loader settings bench-loader measured on this data
 SCHEMA_NAME = "dlpipe.manifest"
 SCHEMA_VERSION = 1
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")

@@ -35,6 +35,7 @@ from typing import Any
 from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.errors import DlpipeError
+from dlpipe.manifest import PROFILES_NAME
 
 __all__ = [
     "PROFILES_NAME",
@@ -50,7 +51,6 @@ __all__ = [
     "transform_name",
 ]
 
-PROFILES_NAME = "dlpipe-profiles.json"
 SCHEMA_NAME = "dlpipe.loader-profiles"
 SCHEMA_VERSION = 1
 _FIX = "re-run `dlpipe bench-loader` on this dataset (it rewrites the file), or delete the file"
