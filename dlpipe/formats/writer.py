@@ -24,8 +24,14 @@ from dlpipe.codecs import field_type
 from dlpipe.errors import InvalidFieldError, OutputExistsError
 from dlpipe.formats import FORMATS, get_format, require_storage
 from dlpipe.formats.base import ShardBuilder, ShardFormat
-from dlpipe.manifest import MANIFEST_NAME, Manifest, ShardInfo, SplitInfo, write_manifest
-from dlpipe.profile import PROFILES_NAME
+from dlpipe.manifest import (
+    MANIFEST_NAME,
+    PROFILES_NAME,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    write_manifest,
+)
 from dlpipe.sample import sample_fields
 
 __all__ = [
