@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -23,58 +25,46 @@ def test_quick_start_is_install_and_demo_then_install_dev_and_test() -> None:
     assert first[1] in ci.splitlines(), ".ci/run must run exactly the README's test command"
 
 
+BIN = Path(sys.executable).parent
+ENV = {"PATH": f"{BIN}:/usr/bin:/bin"}  # the venv's commands, as an activated shell has them
+
+
+def _run(command: str | list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, shell=isinstance(command, str), cwd=cwd, capture_output=True, text=True, env=ENV
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_cwd(tmp_path_factory) -> Path:
+    """A folder where `dlpipe demo` has run, as the README's examples assume."""
+    cwd = tmp_path_factory.mktemp("readme")
+    demo = _run(["dlpipe", "demo", "--per-class", "10"], cwd)
+    assert demo.returncode == 0, demo.stderr
+    return cwd
+
+
 def test_python_api_example_runs(tmp_path) -> None:
     from dlpipe.synthetic import synthetic_samples
 
     (tmp_path / "cat1.jpg").write_bytes(next(synthetic_samples(1))["jpg"])
-    code = _blocks("python")[0]
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True
-    )
+    done = _run([sys.executable, "-c", _blocks("python")[0]], tmp_path)
     assert done.returncode == 0, done.stderr
     assert "1 ('cat', 'dog')" in done.stdout
 
 
-def test_loader_example_runs_on_the_demo_output(tmp_path) -> None:
-    bindir = Path(sys.executable).parent
-    demo = subprocess.run(
-        [str(bindir / "dlpipe"), "demo", "--per-class", "10"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
-    assert demo.returncode == 0, demo.stderr
-    code = _blocks("python")[1]
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True
-    )
+def test_loader_example_runs_on_the_demo_output(demo_cwd) -> None:
+    done = _run([sys.executable, "-c", _blocks("python")[1]], demo_cwd)
     assert done.returncode == 0, done.stderr
     assert "torch.Size([64, 3, 64, 64])" in done.stdout
 
 
-def test_commands_on_the_demo_output_run(tmp_path) -> None:
-    bindir = Path(sys.executable).parent
-    env_path = f"{bindir}:/usr/bin:/bin"
-    demo = subprocess.run(
-        ["dlpipe", "demo", "--per-class", "5"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={"PATH": env_path},
-    )
-    assert demo.returncode == 0, demo.stderr
+def test_commands_on_the_demo_output_run(demo_cwd) -> None:
     blocks = [b.strip().splitlines() for b in _blocks("bash")[1:]]
     commands = [c for block in blocks if block[0].startswith("dlpipe ") for c in block]
     assert len(commands) >= 3 and all(c.startswith("dlpipe ") for c in commands)
     for command in commands:
-        done = subprocess.run(
-            command,
-            shell=True,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            env={"PATH": env_path},
-        )
+        done = _run(command, demo_cwd)
         assert done.returncode == 0, (command, done.stderr)
 
 
