@@ -68,7 +68,10 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         return mine[: self.num_samples // self.world_size] if self.drop_last else mine
 
     def __len__(self) -> int:
-        return len(self.indices(0)) if self.shuffle else len(self.indices(self.epoch))
+        """This rank's samples per epoch, without drawing a permutation."""
+        if self.drop_last:
+            return self.num_samples // self.world_size
+        return len(range(self.rank, self.num_samples, self.world_size))
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         if self.drawn and not self._restored:  # a new pass abandons an unfinished epoch

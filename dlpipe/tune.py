@@ -202,8 +202,14 @@ def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
         profile=None,
         **trial.settings(),
     )
-    batches = _batches(loader)
-    warnings.filterwarnings("ignore", message=".*num_workers.*", category=UserWarning)
+    with warnings.catch_warnings():  # more workers than cores is what a search tries
+        warnings.filterwarnings("ignore", message=".*num_workers.*", category=UserWarning)
+        _measure(_batches(loader), trial, seconds)
+    _stop_workers(loader)
+    return trial
+
+
+def _measure(batches: Iterator[Any], trial: Trial, seconds: float) -> None:
     for _ in range(max(2, trial.num_workers + 1)):
         next(batches)  # warm-up: worker start, first prefetch
     trial.worker_rss_bytes = _worker_rss()
@@ -219,8 +225,6 @@ def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
             break
     trial.samples_per_s = rates[-1] if len(rates) < 2 else (rates[-1] + rates[-2]) / 2
     trial.worker_rss_bytes = max(trial.worker_rss_bytes, _worker_rss())
-    _stop_workers(loader)
-    return trial
 
 
 def _stop_workers(loader: Any) -> None:
