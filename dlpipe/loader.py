@@ -17,6 +17,7 @@ one, prefetch 2, pinned memory when CUDA is there).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import warnings
@@ -99,11 +100,10 @@ class _StreamView(torch.utils.data.IterableDataset):
         consumer, consumers = self.dataset.consumer()
         self.dataset.check_shard_count(consumers)
         count = len(self.dataset.readers)
-        order = (
-            np.random.default_rng([self.seed, epoch]).permutation(count)
-            if self.shuffle
-            else (np.arange(count))
-        )
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(count)
+        else:
+            order = np.arange(count)
         sizes = [len(r) for r in self.dataset.readers]
         shares = [sum(sizes[i] for i in order[c::consumers]) for c in range(consumers)]
         limit = min(shares) if self.dataset.world_size > 1 else shares[consumer]
@@ -120,19 +120,21 @@ class _StreamView(torch.utils.data.IterableDataset):
         while self.position < len(shards) and done < limit:
             shard = shards[self.position]
             reader = self.dataset.readers[shard]
-            while self.offset < len(reader) and done < limit:
-                block = list(itertools.islice(reader.iter_from(self.offset), self.BLOCK_SAMPLES))
-                if self.shuffle:
-                    rng = np.random.default_rng([self.seed, epoch, shard, self.offset])
-                    block = [block[i] for i in rng.permutation(len(block))]
-                while self.emitted < len(block) and done < limit:
-                    sample = block[self.emitted]
-                    self.emitted += 1
-                    done += 1
-                    index = zlib.crc32(str(sample[KEY_FIELD]).encode())
-                    yield _apply(self.transform, sample, epoch, index)
-                if self.emitted == len(block):
-                    self.offset, self.emitted = self.offset + len(block), 0
+            # one pass per shard, from the resume point: blocks are cut from the same stream
+            with contextlib.closing(reader.iter_from(self.offset)) as stream:
+                while self.offset < len(reader) and done < limit:
+                    block = list(itertools.islice(stream, self.BLOCK_SAMPLES))
+                    if self.shuffle:
+                        rng = np.random.default_rng([self.seed, epoch, shard, self.offset])
+                        block = [block[i] for i in rng.permutation(len(block))]
+                    while self.emitted < len(block) and done < limit:
+                        sample = block[self.emitted]
+                        self.emitted += 1
+                        done += 1
+                        index = zlib.crc32(str(sample[KEY_FIELD]).encode())
+                        yield _apply(self.transform, sample, epoch, index)
+                    if self.emitted == len(block):
+                        self.offset, self.emitted = self.offset + len(block), 0
             if self.offset >= len(reader):
                 self.position, self.offset = self.position + 1, 0
         self.epoch, self.position, self.offset, self.emitted = epoch + 1, 0, 0, 0

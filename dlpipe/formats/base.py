@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -138,7 +138,7 @@ class ShardReader(ABC):
     def __iter__(self) -> Iterator[Sample]:
         """Every sample of the shard, in order."""
 
-    def iter_from(self, start: int) -> Iterator[Sample]:
+    def iter_from(self, start: int) -> Generator[Sample, None, None]:
         """Samples from index `start` on, without reading the earlier ones."""
         for index in range(start, self.info.samples):
             yield self.get(index)

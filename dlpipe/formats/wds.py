@@ -13,7 +13,7 @@ the root, is refused: a shard from an untrusted source cannot write outside its 
 from __future__ import annotations
 
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import IO, Any
 
 from dlpipe import storage
@@ -70,7 +70,7 @@ class WdsReader(ShardReader):
     def __iter__(self) -> Iterator[Sample]:
         return self.iter_from(0)
 
-    def iter_from(self, start: int) -> Iterator[Sample]:
+    def iter_from(self, start: int) -> Generator[Sample, None, None]:
         """Samples from index `start` on; earlier members are seeked over, not read."""
         self.handle()  # checks the size against the manifest
         index = start
