@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
+    from dlpipe.train.command import add_train_parser
+
+    add_train_parser(sub)
+
     verify = sub.add_parser("verify", help="check every shard's sha256 (and decode with --decode)")
     verify.add_argument("data", help="dataset folder or URL")
     verify.add_argument("--decode", action="store_true", help="also decode every sample")
@@ -105,7 +109,9 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # a handler that re-launches itself (train --nproc-per-node) repeats it
     console = Console(highlight=False, soft_wrap=True)
     handler: Handler = args.handler
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -61,9 +62,10 @@ class _StreamView(torch.utils.data.IterableDataset):
     Each epoch shuffles the shard order (seeded by epoch) and each block of `BLOCK_SAMPLES`
     consecutive samples of a shard (seeded by epoch, shard and offset). The state is the
     epoch, the shard position, the block's offset and how many of its samples were emitted:
-    a resumed worker seeks to the block, re-reads that one block and continues. With several
-    ranks every reader emits the same number of samples (the smallest share), so every rank
-    runs the same number of steps.
+    a resumed worker seeks to the block, re-reads that one block and continues. For training
+    (`equal_shares`) with several ranks every reader emits the same number of samples (the
+    smallest share), so every rank runs the same number of steps; for evaluation every sample
+    is emitted once, and a reader without a shard emits nothing.
     """
 
     BLOCK_SAMPLES = 256
@@ -74,8 +76,10 @@ class _StreamView(torch.utils.data.IterableDataset):
         transform: Callable[..., Any] | None,
         shuffle: bool,
         seed: int,
+        equal_shares: bool = True,
     ) -> None:
         self.dataset, self.transform, self.shuffle, self.seed = dataset, transform, shuffle, seed
+        self.equal_shares = equal_shares
         self.epoch, self.position, self.offset, self.emitted = 0, 0, 0, 0
         self._restored = False
 
@@ -98,7 +102,8 @@ class _StreamView(torch.utils.data.IterableDataset):
     def _shards(self, epoch: int) -> tuple[list[int], int]:
         """This reader's shard indices for `epoch`, and how many samples each reader emits."""
         consumer, consumers = self.dataset.consumer()
-        self.dataset.check_shard_count(consumers)
+        if self.equal_shares:
+            self.dataset.check_shard_count(consumers)
         count = len(self.dataset.readers)
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(count)
@@ -106,7 +111,8 @@ class _StreamView(torch.utils.data.IterableDataset):
             order = np.arange(count)
         sizes = [len(r) for r in self.dataset.readers]
         shares = [sum(sizes[i] for i in order[c::consumers]) for c in range(consumers)]
-        limit = min(shares) if self.dataset.world_size > 1 else shares[consumer]
+        equal = self.equal_shares and self.dataset.world_size > 1
+        limit = min(shares) if equal else shares[consumer]
         return [int(i) for i in order[consumer::consumers]], limit
 
     def __iter__(self) -> Iterator[Any]:
@@ -146,6 +152,12 @@ def _apply(transform: Callable[..., Any] | None, sample: Sample, epoch: int, ind
     if isinstance(transform, ImageTransform):
         return transform(sample, epoch, index)
     return transform(sample)
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """Ctrl-C reaches the whole process group: the main process decides (e.g. the trainer
+    checkpoints first), and a worker killed under it would only break the next fetch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _collate(batch: list[Any]) -> Any:
@@ -235,6 +247,7 @@ def make_loader(
     if workers > 0:
         options["prefetch_factor"] = prefetch_factor or 2
         options["multiprocessing_context"] = multiprocessing_context
+        options["worker_init_fn"] = _ignore_sigint
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(
             len(dataset),
@@ -243,10 +256,11 @@ def make_loader(
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
+            block=batch_size,
         )
         return _quiet_loader(_MapView(dataset, fn), sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
-    return _quiet_loader(_StreamView(dataset, fn, shuffle, seed), **options)
+    return _quiet_loader(_StreamView(dataset, fn, shuffle, seed, drop_last), **options)
 
 
 def _quiet_loader(dataset: Any, **options: Any) -> StatefulDataLoader:

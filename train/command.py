@@ -1,0 +1,170 @@
+"""``dlpipe train``: parse → build → run → close.
+
+Flags override the ``--config`` TOML file, which overrides the defaults (`dlpipe.train.config`).
+``--nproc-per-node N`` re-launches the same command under ``torchrun`` on this machine; under
+torchrun (or a cluster's launcher that sets RANK/WORLD_SIZE) each process is one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from rich.console import Console
+
+__all__ = ["add_train_parser", "run_train"]
+
+# flag dest -> (config section, key); every flag defaults to None ("not given")
+_FLAGS: dict[str, tuple[str, str]] = {
+    "data": ("data", "path"),
+    "train_split": ("data", "train_split"),
+    "val_split": ("data", "val_split"),
+    "image_size": ("data", "image_size"),
+    "num_workers": ("data", "num_workers"),
+    "model": ("model", "name"),
+    "channels_last": ("model", "channels_last"),
+    "compile": ("model", "compile"),
+    "optimizer": ("optim", "optimizer"),
+    "lr": ("optim", "lr"),
+    "weight_decay": ("optim", "weight_decay"),
+    "warmup_epochs": ("optim", "warmup_epochs"),
+    "clip_grad": ("optim", "clip_grad"),
+    "label_smoothing": ("optim", "label_smoothing"),
+    "epochs": ("run", "epochs"),
+    "batch_size": ("run", "batch_size"),
+    "micro_batch": ("run", "micro_batch"),
+    "precision": ("run", "precision"),
+    "out": ("run", "out"),
+    "resume": ("run", "resume"),
+    "seed": ("run", "seed"),
+    "max_steps": ("run", "max_steps"),
+    "early_stop_patience": ("run", "early_stop_patience"),
+    "keep_last": ("run", "keep_last"),
+    "checkpoint_every": ("run", "checkpoint_every_steps"),
+    "log_every": ("run", "log_every_steps"),
+    "wandb": ("run", "wandb"),
+}
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train an image classifier on a prepared dataset")
+    p.add_argument("data", nargs="?", help="dataset folder or URL (or [data] path in --config)")
+    p.add_argument("--config", help="TOML file with [data] [model] [optim] [run] sections")
+    p.add_argument("--model", help="torchvision model name or package.module:function")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--batch-size", type=int, help="global batch per optimizer step (256)")
+    p.add_argument("--micro-batch", type=int, help="per rank and forward pass (batch/ranks)")
+    p.add_argument("--lr", type=float, help="peak learning rate (sgd 0.1 x batch/256)")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"])
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--warmup-epochs", type=float)
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--image-size", type=int)
+    p.add_argument("--out", help="run folder (runs/{dataset}-{model})")
+    p.add_argument("--resume", help="auto (newest valid checkpoint), none, or a .pt path")
+    p.add_argument("--nproc-per-node", type=int, help="launch N processes with torchrun")
+    p.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
+    p.add_argument("--channels-last", action="store_const", const=True)
+    p.add_argument("--clip-grad", type=float, help="max gradient norm")
+    p.add_argument("--label-smoothing", type=float)
+    p.add_argument("--early-stop-patience", type=int, help="epochs without val-loss gain")
+    p.add_argument("--max-steps", type=int, help="stop (with a checkpoint) after N steps")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--wandb", metavar="PROJECT", help="also log to Weights & Biases")
+    p.add_argument("--train-split")
+    p.add_argument("--val-split", help='split to validate on ("val"; "" for none)')
+    p.add_argument("--num-workers", type=int, help="loader workers (bench-loader's choice)")
+    p.add_argument("--keep-last", type=int, help="step checkpoints kept (2), plus best.pt")
+    p.add_argument("--checkpoint-every", type=int, help="also checkpoint every N steps")
+    p.add_argument("--log-every", type=int, help="log the step loss every N steps (20)")
+    p.set_defaults(handler=run_train)
+
+
+def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The flags given on the command line, as config sections."""
+    out: dict[str, dict[str, Any]] = {}
+    for dest, (section, key) in _FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+def run_train(args: argparse.Namespace, console: Console) -> int:
+    from dlpipe.train.config import load_config
+
+    config = load_config(args.config, overrides(args))
+    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+        config.resolved().validate()
+        return _launch(args.nproc_per_node, args.argv)
+    from dlpipe.train.step import TrainingError
+    from dlpipe.train.trainer import Trainer
+
+    trainer = Trainer(config, console)
+    try:
+        summary = trainer.fit()
+    except TrainingError as exc:  # the run itself failed (bad input exits 2 in dlpipe.cli)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.close()
+    if summary.stopped in ("completed", "early_stop") and summary.last_val:
+        _print_summary(summary, console)
+    return 0
+
+
+def _print_summary(summary: Any, console: Console) -> None:
+    last = summary.last_val
+    if "top1" in last:
+        console.print(
+            f"done: val top-1 {100 * last['top1']:.2f}% after {summary.epochs_done} epochs "
+            f"({summary.steps} steps)"
+        )
+    run = summary.run_dir
+    console.print(
+        f"metrics {os.path.join(run, 'metrics.jsonl')}, TensorBoard "
+        f"{os.path.join(run, 'tensorboard')}, confusion matrix "
+        f"{os.path.join(run, 'confusion.png')}, checkpoints {os.path.join(run, 'checkpoints')}"
+    )
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Run this same command under torchrun with `nproc` processes; forward stop signals."""
+    argv = _without_nproc(argv)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "dlpipe",
+        *argv,
+    ]
+    child = subprocess.Popen(command)
+
+    def forward(signum: int, frame: Any) -> None:
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out

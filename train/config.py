@@ -1,0 +1,260 @@
+"""The trainer's configuration: nested keyword-only dataclasses, a TOML file, CLI overrides.
+
+    [data]                      [model]              [optim]                 [run]
+    path = "data/pets-lmdb"     name = "resnet50"    optimizer = "sgd"       epochs = 90
+    image_size = 224            channels_last = true lr = 0.4                batch_size = 1024
+
+Defaults < the TOML file (``--config``) < command-line flags. The resolved configuration, with
+every default filled in (the learning rate and weight decay too), is written to the run folder
+as ``config.toml`` and printed at the start; ``dlpipe train --config RUN/config.toml`` repeats
+or resumes the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlpipe.errors import DlpipeError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "BatchPlan",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "TrainConfig",
+    "load_config",
+    "plan_batches",
+    "to_toml",
+]
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+class ConfigError(DlpipeError, ValueError):
+    """A training option is malformed, unknown or inconsistent with another."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = ""
+    train_split: str = "train"
+    val_split: str = "val"  # "" trains without validation
+    image_size: int = 224
+    num_workers: int | None = None  # None: the bench-loader profile, else all cores but one
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "resnet18"  # a torchvision model name, or package.module:function
+    channels_last: bool = False
+    compile: bool = False
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    optimizer: str = "sgd"
+    lr: float | None = None  # None: 0.1 x batch/256 (sgd), 5e-4 x batch/512 (adamw)
+    weight_decay: float | None = None  # None: 1e-4 (sgd), 0.05 (adamw)
+    momentum: float = 0.9
+    warmup_epochs: float = 1.0
+    clip_grad: float | None = None
+    label_smoothing: float = 0.0
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    epochs: int = 10
+    batch_size: int = 256  # global: samples per optimizer step over all ranks
+    micro_batch: int | None = None  # per rank and forward pass; None: batch_size / world size
+    precision: str = "auto"  # auto: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU
+    out: str = ""  # "": runs/{dataset}-{model}
+    resume: str = "auto"  # auto | none | a checkpoint path
+    seed: int = 0
+    max_steps: int | None = None
+    early_stop_patience: int | None = None
+    keep_last: int = 2
+    checkpoint_every_steps: int = 0  # 0: at the end of each epoch (and on SIGTERM) only
+    log_every_steps: int = 20
+    max_nonfinite_steps: int = 20
+    wandb: str | None = None
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def resolved(self) -> TrainConfig:
+        """A copy with every derived default filled in (run folder, lr, weight decay)."""
+        data, model, optim, run = (dataclasses.replace(p) for p in self.parts())
+        if not run.out:
+            name = os.path.basename(os.path.normpath(data.path)) or "data"
+            run.out = os.path.join("runs", f"{name}-{model.name.replace(':', '.')}")
+        if optim.lr is None:
+            optim.lr = (0.1 / 256 if optim.optimizer == "sgd" else 5e-4 / 512) * run.batch_size
+        if optim.weight_decay is None:
+            optim.weight_decay = 1e-4 if optim.optimizer == "sgd" else 0.05
+        return TrainConfig(data=data, model=model, optim=optim, run=run)
+
+    def parts(self) -> tuple[DataConfig, ModelConfig, OptimConfig, RunConfig]:
+        return self.data, self.model, self.optim, self.run
+
+    def validate(self) -> None:
+        """Reject values no run can use, naming the option and the fix."""
+        d, m, o, r = self.parts()
+        _require(bool(d.path), "no dataset given: pass DATA or set [data] path in --config")
+        _choice("run.precision", r.precision, PRECISIONS)
+        _choice("optim.optimizer", o.optimizer, OPTIMIZERS)
+        for name, value in (
+            ("data.image_size", d.image_size),
+            ("run.epochs", r.epochs),
+            ("run.batch_size", r.batch_size),
+            ("run.micro_batch", r.micro_batch),
+            ("run.max_steps", r.max_steps),
+            ("run.early_stop_patience", r.early_stop_patience),
+            ("run.keep_last", r.keep_last),
+            ("run.log_every_steps", r.log_every_steps),
+            ("run.max_nonfinite_steps", r.max_nonfinite_steps),
+        ):
+            _require(value is None or value > 0, f"{name} = {value} must be a positive integer")
+        for name, number in (
+            ("data.num_workers", d.num_workers),
+            ("run.checkpoint_every_steps", r.checkpoint_every_steps),
+            ("optim.lr", o.lr),
+            ("optim.weight_decay", o.weight_decay),
+            ("optim.warmup_epochs", o.warmup_epochs),
+            ("optim.clip_grad", o.clip_grad),
+        ):
+            _require(number is None or number >= 0, f"{name} = {number} must not be negative")
+        _require(
+            0 <= o.label_smoothing < 1,
+            f"optim.label_smoothing = {o.label_smoothing} must be in [0, 1)",
+        )
+        _require(
+            r.resume in ("auto", "none") or os.path.isfile(r.resume),
+            f"--resume {r.resume}: no such checkpoint file; give auto, none or a .pt path",
+        )
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch is cut: ``batch_size = world_size x micro_batch x accumulation``."""
+
+    batch_size: int
+    world_size: int
+    micro_batch: int
+    accumulation: int
+
+
+def plan_batches(batch_size: int, world_size: int, micro_batch: int | None) -> BatchPlan:
+    """Derive the per-rank micro-batch and accumulation steps from the global batch."""
+    per_rank, rest = divmod(batch_size, world_size)
+    if rest:
+        raise ConfigError(
+            f"--batch-size {batch_size} (global) does not divide over {world_size} ranks; "
+            f"use a multiple of {world_size}"
+        )
+    micro = per_rank if micro_batch is None else micro_batch
+    if per_rank % micro:
+        raise ConfigError(
+            f"--micro-batch {micro} does not divide the {per_rank} samples each of the "
+            f"{world_size} ranks takes per step (--batch-size {batch_size}); use a divisor of "
+            f"{per_rank}"
+        )
+    return BatchPlan(batch_size, world_size, micro, per_rank // micro)
+
+
+def load_config(path: str | None, overrides: dict[str, dict[str, Any]]) -> TrainConfig:
+    """Defaults, then the TOML file at `path`, then `overrides` ({section: {key: value}})."""
+    config = TrainConfig()
+    if path:
+        try:
+            with open(path, "rb") as f:
+                _apply(config, tomllib.load(f), f"config file {path}")
+        except FileNotFoundError:
+            raise ConfigError(f"--config {path}: no such file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    _apply(config, overrides, "the command line")
+    return config
+
+
+def _apply(config: TrainConfig, values: dict[str, Any], source: str) -> None:
+    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    for section, items in values.items():
+        if section not in sections or not isinstance(items, dict):
+            raise ConfigError(
+                f"{source}: unknown section [{section}]; sections are "
+                + ", ".join(f"[{s}]" for s in sections)
+            )
+        part = sections[section]
+        known = {f.name: f for f in dataclasses.fields(part)}
+        for key, value in items.items():
+            if key not in known:
+                raise ConfigError(
+                    f"{source}: [{section}] has no key {key!r}; keys are {', '.join(known)}"
+                )
+            setattr(part, key, _typed(value, known[key], f"{source}: [{section}] {key}"))
+
+
+def _typed(value: Any, spec: dataclasses.Field[Any], what: str) -> Any:
+    """Check a TOML value against the field's declared type (ints widen to floats)."""
+    kinds = str(spec.type).replace(" ", "").split("|")
+    if value is None and "None" in kinds:
+        return None
+    if isinstance(value, bool):
+        if "bool" in kinds:
+            return value
+    elif isinstance(value, int) and "int" in kinds:
+        return value
+    elif isinstance(value, (int, float)) and "float" in kinds:
+        return float(value)
+    elif isinstance(value, str) and "str" in kinds:
+        return value
+    expected = " or ".join(k for k in kinds if k != "None")
+    raise ConfigError(f"{what} = {value!r} must be {expected}")
+
+
+def to_toml(config: TrainConfig) -> str:
+    """The configuration as TOML (unset optional values are written as comments)."""
+    lines: list[str] = []
+    for section, items in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in items.items():
+            if value is None:
+                lines.append(f"# {key} = (unset)")
+            elif isinstance(value, bool):
+                lines.append(f"{key} = {'true' if value else 'false'}")
+            elif isinstance(value, str):
+                escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+                lines.append(f'{key} = "{escaped}"')
+            else:
+                lines.append(f"{key} = {value!r}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"{name} = {value!r} must be one of {', '.join(allowed)}")

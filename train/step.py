@@ -1,0 +1,228 @@
+"""One optimizer step: micro-batches, AMP, gradient sync on the last one, agreement, OOM backoff.
+
+Per rank a step takes up to ``accumulation`` loader batches (fewer at the end of an epoch).
+Every micro-batch's loss is a sum divided by this rank's sample count for the step, so the
+gradient is the mean over the step's global samples, tail steps included (DDP averages the
+ranks, which all hold the same count). Gradient all-reduce is suppressed (``no_sync``) on all
+but the last micro-batch.
+
+Before the last backward pass the ranks agree, in one small all-reduce, on the step's loss and
+sample count, whether any rank ran out of memory, and whether any rank was asked to stop
+(SIGTERM). On out-of-memory every rank drops the step's gradients, halves the micro-batch
+(the loader's batches are cut in two), doubles the accumulation and retries the same samples,
+so the global batch and the data order stay the same. A non-finite loss or gradient norm skips
+the optimizer step on every rank; with fp16 the GradScaler decides, and a step it skipped does
+not advance the learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlpipe.errors import DlpipeError
+from dlpipe.train.distributed import Distributed
+from dlpipe.transforms import normalize
+
+__all__ = ["Precision", "StepResult", "StepRunner", "TrainingError", "resolve_precision"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TrainingError(DlpipeError, RuntimeError):
+    """Training cannot go on (diverged, out of memory at the smallest micro-batch)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # fp32 | bf16 | fp16
+    dtype: torch.dtype | None  # autocast dtype, None for fp32
+
+    @property
+    def needs_scaler(self) -> bool:
+        return self.name == "fp16"
+
+
+def resolve_precision(name: str, device: torch.device) -> Precision:
+    """``auto``: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPUs."""
+    if name == "auto":
+        if device.type != "cuda":
+            name = "fp32"
+        else:
+            name = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return Precision(name, dtypes[name])
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean per global sample; nan when not finite
+    samples: int  # global samples in the step
+    grad_norm: float | None
+    skipped: bool  # the optimizer did not step (non-finite loss or gradients)
+    stop: bool  # some rank was asked to stop: checkpoint after this step
+
+
+class StepRunner:
+    """Runs optimizer steps for a (possibly DDP-wrapped, compiled) model.
+
+    Args:
+        model: what forward runs (DDP and/or compiled); its parameters are optimised.
+        optimizer, scheduler: the scheduler counts optimizer steps taken.
+        dist: the process group helpers.
+        precision: the autocast recipe; fp16 brings a GradScaler.
+        clip_grad: max gradient norm, or None.
+        label_smoothing: for the training loss.
+        channels_last: feed NHWC-strided inputs.
+        on_backoff: told (micro-batch, accumulation) after an out-of-memory backoff.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        dist: Distributed,
+        precision: Precision,
+        *,
+        clip_grad: float | None = None,
+        label_smoothing: float = 0.0,
+        channels_last: bool = False,
+        on_backoff: Callable[[int], None] | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.dist, self.precision, self.device = dist, precision, dist.device
+        self.clip_grad, self.label_smoothing = clip_grad, label_smoothing
+        self.channels_last = channels_last
+        self.on_backoff = on_backoff
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision.needs_scaler)
+        self.splits = 1  # each loader batch is cut in this many micro-batches (OOM backoff)
+        self.stop_requested = False  # set from a signal handler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict(), "splits": self.splits}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.splits = int(state["splits"])
+
+    def run(self, batches: list[Batch]) -> StepResult:
+        """One optimizer step over this rank's `batches`, retried smaller on out-of-memory."""
+        while True:
+            result = self._attempt(batches)
+            if result is not None:
+                return result
+            self._back_off(max(len(labels) for _, labels in batches))
+
+    def _attempt(self, batches: list[Batch]) -> StepResult | None:
+        chunks = list(self._chunks(batches))
+        count = sum(len(labels) for _, labels in batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        last_loss, oom = None, False
+        try:
+            for i, (images, labels) in enumerate(chunks):
+                last = i == len(chunks) - 1
+                with self._sync(last):
+                    loss = self._forward(images, labels)
+                    loss_sum += loss.detach()
+                    if last:
+                        last_loss = loss  # its backward syncs: agree first
+                    else:
+                        self._backward(loss / count)
+        except torch.OutOfMemoryError:
+            oom = True
+        agreed = torch.tensor(
+            [float(loss_sum), count, float(oom), float(self.stop_requested)],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        self.dist.all_reduce_(agreed)
+        total, samples, any_oom, any_stop = agreed.tolist()
+        if any_oom:
+            return None
+        loss_mean = total / samples
+        if not math.isfinite(loss_mean):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(math.nan, int(samples), None, True, any_stop > 0)
+        assert last_loss is not None
+        try:
+            self._backward(last_loss / count)
+        except torch.OutOfMemoryError:
+            if self.dist.enabled:  # the other ranks wait in this backward's all-reduce
+                raise TrainingError(
+                    "out of memory in the gradient-synchronising backward pass; it cannot be "
+                    "retried safely with several ranks. Restart with a smaller --micro-batch"
+                ) from None
+            return None
+        norm, skipped = self._optimizer_step()
+        return StepResult(loss_mean, int(samples), norm, skipped, any_stop > 0)
+
+    def _chunks(self, batches: list[Batch]) -> Iterator[Batch]:
+        for images, labels in batches:
+            size = math.ceil(len(labels) / self.splits)
+            yield from zip(images.split(size), labels.split(size), strict=True)
+
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        no_sync = getattr(self.model, "no_sync", None)
+        if last or not self.dist.enabled or no_sync is None:
+            return contextlib.nullcontext()
+        return no_sync()  # type: ignore[no-any-return]
+
+    def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = normalize(images, self.device)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = labels.to(self.device, non_blocking=True)
+        dtype = self.precision.dtype
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            logits = self.model(x)
+        return F.cross_entropy(
+            logits.float(), y, reduction="sum", label_smoothing=self.label_smoothing
+        )
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Unscale, measure (and clip) the gradient norm, step; returns (norm, skipped)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if self.clip_grad is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm)
+        norm_value = float(norm)
+        if self.scaler.is_enabled():
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skips the step itself on inf/nan gradients
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale
+        else:
+            skipped = not math.isfinite(norm_value)
+            if not skipped:
+                self.optimizer.step()
+        if not skipped:
+            self.scheduler.step()
+        return norm_value, skipped
+
+    def _back_off(self, loader_batch: int) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.splits >= loader_batch:
+            raise TrainingError(
+                "out of memory with a micro-batch of 1 sample; use a smaller model or "
+                "--image-size, --precision bf16, or a GPU with more memory"
+            )
+        self.splits *= 2
+        if self.on_backoff is not None:
+            self.on_backoff(math.ceil(loader_batch / self.splits))

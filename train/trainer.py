@@ -1,0 +1,540 @@
+"""`Trainer`: epochs of optimizer steps over a prepared dataset, exact evaluation, checkpoints.
+
+    trainer = Trainer(config, console)      # joins torchrun's process group if there is one
+    summary = trainer.fit()                 # resumes per config.run.resume, trains, evaluates
+    trainer.close()
+
+The checkpoint is the sum of the components' ``state_dict()``: model, optimizer, scheduler,
+step runner (GradScaler, micro-batch backoff), every rank's loader position and RNG streams,
+and the trainer's own counters. Every decision that needs all ranks (checkpoint, evaluate,
+stop early, stop on a signal) follows from values all ranks share, so all take it together.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dlpipe import storage
+from dlpipe.loader import make_loader
+from dlpipe.manifest import read_manifest
+from dlpipe.train import checkpoint as ckpt
+from dlpipe.train.config import TrainConfig, plan_batches, to_toml
+from dlpipe.train.distributed import init_distributed
+from dlpipe.train.metrics import EvalCounts, EvalResult
+from dlpipe.train.models import build_model, unwrap
+from dlpipe.train.optim import build_optimizer, build_scheduler
+from dlpipe.train.reporting import RunLogger
+from dlpipe.train.step import StepResult, StepRunner, TrainingError, resolve_precision
+
+__all__ = ["RunSummary", "Trainer"]
+
+INPUT_BOUND_SHARE = 0.10  # waiting for data more than this share of step time is worth fixing
+
+
+@dataclass
+class EpochStats:
+    """Running totals of the epoch in progress (checkpointed, so a resumed epoch reports whole)."""
+
+    loss_sum: float = 0.0
+    samples: int = 0
+    steps: int = 0
+    wait_s: float = 0.0
+    busy_s: float = 0.0
+
+    def add(self, result: StepResult, wait_s: float, total_s: float) -> None:
+        if math.isfinite(result.loss):
+            self.loss_sum += result.loss * result.samples
+            self.samples += result.samples
+        self.steps += 1
+        self.wait_s += wait_s
+        self.busy_s += total_s
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    epochs_done: int
+    steps: int
+    stopped: str  # completed | early_stop | max_steps | signal | resumed_complete
+    last_val: dict[str, Any] | None = None
+    checkpoint: str | None = None
+    best_top1: float | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, console: Console) -> None:
+        self.config = config.resolved()
+        self.config.validate()
+        self.dist = init_distributed()
+        self.console = console if self.dist.is_main else Console(quiet=True)
+        d, m, o, r = self.config.parts()
+        self.run_dir = r.out
+        self.manifest = read_manifest(d.path)
+        self.classes = list(self.manifest.classes)
+        if len(self.classes) < 2:
+            raise TrainingError(
+                f"{d.path} lists {len(self.classes)} classes; training a classifier needs at "
+                "least 2 (convert with labels: ImageFolder sub-folders or a label column)"
+            )
+        self.plan = plan_batches(r.batch_size, self.dist.world_size, r.micro_batch)
+        self.precision = resolve_precision(r.precision, self.dist.device)
+        random.seed(r.seed)
+        np.random.seed(r.seed)
+        torch.manual_seed(r.seed)
+        self.train_loader = self._loader(d.train_split, "train")
+        self.val_loader = self._val_loader()
+        model = build_model(m.name, len(self.classes)).to(self.dist.device)
+        if m.channels_last:
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        self.model = model
+        self.optimizer = build_optimizer(model, o)
+        n_train = self.manifest.split(d.train_split).samples
+        batches = n_train // self.dist.world_size // self.plan.micro_batch
+        if batches == 0:
+            raise TrainingError(
+                f"split {d.train_split!r} has {n_train} samples, fewer than one micro-batch "
+                f"({self.plan.micro_batch}) per rank; lower --batch-size or --micro-batch"
+            )
+        self.steps_per_epoch = math.ceil(batches / self.plan.accumulation)
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            warmup_steps=round(o.warmup_epochs * self.steps_per_epoch),
+            total_steps=r.epochs * self.steps_per_epoch,
+        )
+        self.forward_model = self._wrap(model)
+        self.runner = StepRunner(
+            self.forward_model,
+            self.optimizer,
+            self.scheduler,
+            self.dist,
+            self.precision,
+            clip_grad=o.clip_grad,
+            label_smoothing=o.label_smoothing,
+            channels_last=m.channels_last,
+            on_backoff=self._backed_off,
+        )
+        self.step, self.epoch = 0, 0
+        self.stats = EpochStats()
+        self.best_top1: float | None = None
+        self.best_val_loss: float | None = None
+        self.stale_epochs = 0
+        self.bad_steps = 0
+        self.skipped_steps = 0
+        self.history: list[dict[str, Any]] = []
+        self.signal_name: str | None = None
+        self.logger = RunLogger(
+            self.run_dir,
+            enabled=self.dist.is_main,
+            classes=self.classes,
+            wandb_project=r.wandb,
+            config=self.config.to_dict(),
+        )
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def _loader(self, split: str, transform: str) -> Any:
+        d, r = self.config.data, self.config.run
+        return make_loader(
+            d.path,
+            split,
+            self.plan.micro_batch,
+            transform=transform,
+            image_size=d.image_size,
+            seed=r.seed,
+            num_workers=d.num_workers,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
+
+    def _val_loader(self) -> Any:
+        split = self.config.data.val_split
+        if not split:
+            return None
+        if split not in self.manifest.splits:
+            if split != "val" or self.config.run.early_stop_patience:
+                raise TrainingError(
+                    f"{self.config.data.path} has no split {split!r} (splits: "
+                    f"{', '.join(self.manifest.splits)}); set --val-split to one of them"
+                )
+            return None  # the default val split is optional
+        return self._loader(split, "eval")
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        wrapped: nn.Module = model
+        if self.dist.enabled:
+            ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
+            # no buffer broadcast in forward: a rank that backs off after an OOM must not
+            # leave the others waiting in it; BatchNorm statistics are averaged before eval
+            wrapped = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        if self.config.model.compile:
+            wrapped = torch.compile(wrapped)  # type: ignore[assignment]
+        return wrapped
+
+    # ---- the run -------------------------------------------------------------------------
+
+    def fit(self) -> RunSummary:
+        """Resume if asked, train to the end (or a stop), evaluate each epoch; collective."""
+        self._announce()
+        self._resume()
+        r = self.config.run
+        if self.epoch >= r.epochs:
+            self.console.print(f"the run in {self.run_dir} is already complete ({r.epochs} epochs)")
+            return self._summary("resumed_complete", None)
+        previous = self._install_signal_handlers()
+        try:
+            while self.epoch < r.epochs:
+                stopped = self._train_epoch()
+                if stopped:
+                    path = self._save(stopped)
+                    self._explain_stop(stopped, path)
+                    return self._summary(stopped, path)
+                result = self._evaluate()
+                early = self._end_epoch(result)
+                path = self._save("epoch", best=self._is_best(result))
+                if early:
+                    self.console.print(
+                        f"early stop: val loss has not improved for {self.stale_epochs} epochs"
+                    )
+                    return self._summary("early_stop", path)
+            return self._summary("completed", path)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _train_epoch(self) -> str | None:
+        """Steps until the epoch's data ends; returns why it stopped early, if it did."""
+        r = self.config.run
+        self.forward_model.train()
+        batches = iter(self.train_loader)
+        while True:
+            if r.max_steps is not None and self.step >= r.max_steps:
+                return "max_steps"
+            start = time.perf_counter()
+            taken = _take(batches, self.plan.accumulation)
+            fetched = time.perf_counter()
+            if not taken:
+                return None
+            result = self.runner.run(taken)
+            self.step += 1
+            self.stats.add(result, fetched - start, time.perf_counter() - start)
+            self._after_step(result)
+            if result.stop:
+                return "signal"
+            every = r.checkpoint_every_steps
+            if every and self.step % every == 0:
+                self._save("interval")
+
+    def _after_step(self, result: StepResult) -> None:
+        r = self.config.run
+        finite = math.isfinite(result.loss) and (
+            result.grad_norm is None or math.isfinite(result.grad_norm)
+        )
+        self.skipped_steps += result.skipped
+        self.bad_steps = 0 if finite and not result.skipped else self.bad_steps + 1
+        if self.step % r.log_every_steps == 0 or self.step == 1:
+            self.logger.step(
+                self.step,
+                {
+                    "loss": result.loss,
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "grad_norm": math.nan if result.grad_norm is None else result.grad_norm,
+                    "samples": result.samples,
+                },
+            )
+        if self.bad_steps >= r.max_nonfinite_steps:
+            latest = ckpt.list_checkpoints(self.run_dir)
+            where = f"the last good checkpoint is {latest[0]}" if latest else "no checkpoint yet"
+            raise TrainingError(
+                f"the loss or gradient norm was not finite for {self.bad_steps} steps in a row "
+                f"(up to step {self.step}, lr {self.optimizer.param_groups[0]['lr']:.3g}); "
+                f"{where}. Lower --lr, set --clip-grad, or use --precision bf16 or fp32"
+            )
+
+    # ---- evaluation and the end of an epoch ----------------------------------------------
+
+    @torch.no_grad()
+    def _evaluate(self) -> EvalResult | None:
+        """Every val sample exactly once over all ranks; integer counts summed over ranks."""
+        if self.val_loader is None:
+            return None
+        self.dist.average_buffers(self.model)
+        model = self.model
+        model.eval()
+        counts = EvalCounts(len(self.classes), self.dist.device)
+        dtype = self.precision.dtype
+        for images, labels in self.val_loader:
+            from dlpipe.transforms import normalize
+
+            x = normalize(images, self.dist.device)
+            if self.config.model.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            y = labels.to(self.dist.device, non_blocking=True)
+            with torch.autocast(self.dist.device.type, dtype=dtype, enabled=dtype is not None):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float(), y, reduction="sum")
+            counts.update(logits, y, loss)
+        self.dist.all_reduce_(*counts.tensors())
+        model.train()
+        return counts.result()
+
+    def _end_epoch(self, result: EvalResult | None) -> bool:
+        """Report the epoch, update early stopping; returns True to stop early."""
+        s = self.stats
+        total_s = max(s.busy_s, 1e-9)
+        wait = s.wait_s / total_s
+        values: dict[str, Any] = {
+            "train_loss": s.loss_sum / s.samples if s.samples else None,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_s": s.samples / total_s,
+            "data_wait": wait,
+            "steps": s.steps,
+            "epoch_s": s.busy_s,
+        }
+        self.logger.epoch(self.epoch, self.step, values, result)
+        record = {"epoch": self.epoch + 1, **values}
+        if result is not None:
+            record.update(val_loss=result.loss, top1=result.top1, top5=result.top5)
+        self.history.append(record)
+        self._print_epoch(record, wait)
+        self.epoch += 1
+        self.stats = EpochStats()
+        patience = self.config.run.early_stop_patience
+        if result is None or patience is None:
+            return False
+        if self.best_val_loss is None or result.loss < self.best_val_loss:
+            self.best_val_loss, self.stale_epochs = result.loss, 0
+        else:
+            self.stale_epochs += 1
+        return self.stale_epochs >= patience
+
+    def _is_best(self, result: EvalResult | None) -> bool:
+        if result is None or (self.best_top1 is not None and result.top1 <= self.best_top1):
+            return False
+        self.best_top1 = result.top1
+        return True
+
+    def _print_epoch(self, record: dict[str, Any], wait: float) -> None:
+        parts = [f"epoch {record['epoch']}/{self.config.run.epochs}", f"step {self.step}"]
+        if record["train_loss"] is not None:
+            parts.append(f"train loss {record['train_loss']:.4f}")
+        if "val_loss" in record:
+            parts += [
+                f"val loss {record['val_loss']:.4f}",
+                f"top-1 {100 * record['top1']:.2f}%",
+                f"top-5 {100 * record['top5']:.2f}%",
+            ]
+        parts += [
+            f"lr {record['lr']:.3g}",
+            f"{record['samples_per_s']:.0f} samples/s",
+            f"data wait {100 * wait:.0f}%",
+        ]
+        self.console.print(" | ".join(parts))
+        if wait > INPUT_BOUND_SHARE:
+            d = self.config.data
+            self.console.print(
+                f"  input-bound: waiting for data {100 * wait:.0f}% of the time: run dlpipe "
+                f"bench-loader {d.path} --batch-size {self.plan.micro_batch} --image-size "
+                f"{d.image_size}" + (" --device cuda" if self.dist.device.type == "cuda" else "")
+            )
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared part of a checkpoint (every rank's own part is gathered in `_save`)."""
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "model": ckpt.strip_prefixes(unwrap(self.model).state_dict()),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "runner": self.runner.state_dict(),
+            "trainer": {
+                "stats": vars(self.stats).copy(),
+                "best_top1": self.best_top1,
+                "best_val_loss": self.best_val_loss,
+                "stale_epochs": self.stale_epochs,
+                "bad_steps": self.bad_steps,
+                "skipped_steps": self.skipped_steps,
+                "history": self.history,
+            },
+            "world_size": self.dist.world_size,
+            "classes": self.classes,
+            "config": self.config.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        unwrap(self.model).load_state_dict(ckpt.strip_prefixes(state["model"]))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.runner.load_state_dict(state["runner"])
+        t = state["trainer"]
+        self.stats = EpochStats(**t["stats"])
+        self.best_top1, self.best_val_loss = t["best_top1"], t["best_val_loss"]
+        self.stale_epochs, self.bad_steps = t["stale_epochs"], t["bad_steps"]
+        self.skipped_steps, self.history = t["skipped_steps"], list(t["history"])
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.train_loader.load_state_dict(rank_state["loader"])
+        _set_rng_state(rank_state["rng"])
+
+    def _save(self, reason: str, *, best: bool = False) -> str:
+        """Collective: gather every rank's loader and RNG state; rank 0 writes."""
+        mine = {"loader": self.train_loader.state_dict(), "rng": _rng_state()}
+        ranks = self.dist.all_gather(mine)
+        path = ckpt.step_path(self.run_dir, self.step)
+        if self.dist.is_main:
+            state = {**self.state_dict(), "ranks": ranks, "reason": reason}
+            path = ckpt.save_checkpoint(self.run_dir, state, best=best)
+            ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_last)
+            self.logger.event("checkpoint", step=self.step, path=path, reason=reason)
+        self.dist.barrier()
+        return path
+
+    def _resume(self) -> None:
+        """Load the checkpoint --resume names (auto: the newest that loads); collective."""
+        choice = self.config.run.resume
+        found = None
+        if self.dist.is_main and choice != "none":
+            if choice == "auto":
+                newest = ckpt.newest_checkpoint(self.run_dir)
+                if newest is not None:
+                    for problem in newest[2]:
+                        self.console.print(f"[yellow]skipped[/yellow] {problem}")
+                    found = newest[0]
+            else:
+                found = choice
+        path = self.dist.broadcast(found)
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(path)
+        if state["world_size"] != self.dist.world_size:
+            raise TrainingError(
+                f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+                f"{self.dist.world_size}; resuming the data order exactly needs the same count: "
+                f"run with --nproc-per-node {state['world_size']} (or --resume none)"
+            )
+        if list(state["classes"]) != self.classes:
+            raise TrainingError(
+                f"checkpoint {path} was trained on classes {state['classes']}, the dataset has "
+                f"{self.classes}; point --out at a new run folder"
+            )
+        self.load_state_dict(state, state["ranks"][self.dist.rank])
+        self.console.print(f"resumed from {path} (step {self.step}, epoch {self.epoch + 1})")
+        self.logger.event("resume", step=self.step, epoch=self.epoch, path=path)
+
+    # ---- signals, messages ---------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        def request_stop(signum: int, frame: Any) -> None:
+            if self.runner.stop_requested and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            self.signal_name = signal.Signals(signum).name
+            self.runner.stop_requested = True
+
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, request_stop)
+        return previous
+
+    def _explain_stop(self, why: str, path: str) -> None:
+        resume = f"dlpipe train --config {os.path.join(self.run_dir, 'config.toml')}"
+        if self.dist.enabled:
+            resume += f" --nproc-per-node {self.dist.world_size}"
+        what = {
+            "signal": f"stopped on {self.signal_name or 'a signal'}",
+            "max_steps": f"reached --max-steps {self.config.run.max_steps}",
+        }[why]
+        self.console.print(f"{what} at step {self.step}; checkpoint {path}")
+        self.console.print(f"resume with: {resume}")
+        self.logger.event("stop", reason=why, step=self.step, path=path)
+
+    def _backed_off(self, micro_batch: int) -> None:
+        accumulation = self.plan.accumulation * self.runner.splits
+        self.console.print(
+            f"[yellow]out of memory[/yellow] at step {self.step + 1}: micro-batch now "
+            f"{micro_batch}, accumulation {accumulation} (global batch {self.plan.batch_size} "
+            "unchanged); retrying the step"
+        )
+        self.logger.event(
+            "oom_backoff", step=self.step + 1, micro_batch=micro_batch, accumulation=accumulation
+        )
+
+    def _announce(self) -> None:
+        p, d = self.plan, self.config.data
+        text = to_toml(self.config)
+        if self.dist.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
+            storage.atomic_write_bytes(os.path.join(self.run_dir, "config.toml"), text.encode())
+        params = sum(t.numel() for t in self.model.parameters())
+        self.console.print(text.rstrip(), markup=False)
+        self.console.print(
+            f"global batch {p.batch_size} = {p.world_size} ranks x micro-batch {p.micro_batch} x "
+            f"{p.accumulation} accumulation steps; {self.steps_per_epoch} steps per epoch"
+        )
+        self.console.print(
+            f"model {self.config.model.name} ({params:,} parameters, "
+            f"{len(self.classes)} classes) on {self.dist.device}, precision "
+            f"{self.precision.name}; data {d.path} ({self.manifest.format}); run folder "
+            f"{self.run_dir}"
+        )
+
+    def _summary(self, stopped: str, path: str | None) -> RunSummary:
+        last = self.history[-1] if self.history else None
+        return RunSummary(
+            run_dir=self.run_dir,
+            epochs_done=self.epoch,
+            steps=self.step,
+            stopped=stopped,
+            last_val=last,
+            checkpoint=path,
+            best_top1=self.best_top1,
+            history=self.history,
+        )
+
+    def close(self) -> None:
+        self.logger.close()
+        self.dist.close()
+
+
+def _take(batches: Iterator[Any], count: int) -> list[Any]:
+    taken = []
+    for batch in batches:
+        taken.append(batch)
+        if len(taken) == count:
+            break
+    return taken
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG stream as tensors and plain data (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    return {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
