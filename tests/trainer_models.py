@@ -53,17 +53,32 @@ def diverges(num_classes: int) -> nn.Module:
     return _Diverges(num_classes)
 
 
-class _OverflowsOnce(TinyCNN):
-    """The first training forward overflows fp16 gradients: the GradScaler must skip it."""
+class _HugeGradient(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient past float range."""
 
-    calls = 0
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.float() * 1e38
+
+
+class _OverflowsOnce(TinyCNN):
+    """The first training step's gradients overflow (the loss stays finite): a GradScaler
+    must skip that optimizer step and halve its scale."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__(num_classes)
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         if self.training:
-            type(self).calls += 1
-            if type(self).calls == 1:
-                return out * 1e30
+            self.calls += 1
+            if self.calls == 1:
+                return _HugeGradient.apply(out)
         return out
 
 

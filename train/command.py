@@ -113,7 +113,7 @@ def run_train(args: argparse.Namespace, console: Console) -> int:
     finally:
         trainer.close()
     if summary.stopped in ("completed", "early_stop") and summary.last_val:
-        _print_summary(summary, console)
+        _print_summary(summary, trainer.console)
     return 0
 
 

@@ -118,7 +118,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Reject values no run can use, naming the option and the fix."""
-        d, m, o, r = self.parts()
+        d, _, o, r = self.parts()
         _require(bool(d.path), "no dataset given: pass DATA or set [data] path in --config")
         _choice("run.precision", r.precision, PRECISIONS)
         _choice("optim.optimizer", o.optimizer, OPTIMIZERS)

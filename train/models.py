@@ -1,7 +1,7 @@
 """The model factory: any torchvision classification model by name, or a user factory.
 
-    build_model("resnet50", num_classes=10)                   # torchvision, random init
-    build_model("mypkg.models:small_cnn", num_classes=10)     # mypkg.models.small_cnn(num_classes=10)
+    build_model("resnet50", num_classes=10)                # torchvision, random init
+    build_model("mypkg.models:small_cnn", num_classes=10)  # small_cnn(num_classes=10)
 
 A user factory is imported with the current folder on ``sys.path`` (as ``python -m`` does), so
 a ``models.py`` beside the command works under ``torchrun`` too. The class count comes from the

@@ -120,7 +120,7 @@ class StepRunner:
             result = self._attempt(batches)
             if result is not None:
                 return result
-            self._back_off(max(len(labels) for _, labels in batches))
+            self.back_off(max(len(labels) for _, labels in batches))
 
     def _attempt(self, batches: list[Batch]) -> StepResult | None:
         chunks = list(self._chunks(batches))
@@ -168,8 +168,7 @@ class StepRunner:
 
     def _chunks(self, batches: list[Batch]) -> Iterator[Batch]:
         for images, labels in batches:
-            size = math.ceil(len(labels) / self.splits)
-            yield from zip(images.split(size), labels.split(size), strict=True)
+            yield from self.chunks(images, labels)
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         no_sync = getattr(self.model, "no_sync", None)
@@ -214,7 +213,13 @@ class StepRunner:
             self.scheduler.step()
         return norm_value, skipped
 
-    def _back_off(self, loader_batch: int) -> None:
+    def chunks(self, images: torch.Tensor, labels: torch.Tensor) -> Iterator[Batch]:
+        """One loader batch as the micro-batches the current backoff allows."""
+        size = math.ceil(len(labels) / self.splits)
+        yield from zip(images.split(size), labels.split(size), strict=True)
+
+    def back_off(self, loader_batch: int) -> None:
+        """Halve the micro-batch after an out-of-memory error (raises at one sample)."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

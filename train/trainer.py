@@ -39,6 +39,7 @@ from dlpipe.train.models import build_model, unwrap
 from dlpipe.train.optim import build_optimizer, build_scheduler
 from dlpipe.train.reporting import RunLogger
 from dlpipe.train.step import StepResult, StepRunner, TrainingError, resolve_precision
+from dlpipe.transforms import normalize
 
 __all__ = ["RunSummary", "Trainer"]
 
@@ -137,6 +138,7 @@ class Trainer:
         self.skipped_steps = 0
         self.history: list[dict[str, Any]] = []
         self.signal_name: str | None = None
+        self.phase = "step 1"  # what runs now, for messages
         self.logger = RunLogger(
             self.run_dir,
             enabled=self.dist.is_main,
@@ -180,7 +182,7 @@ class Trainer:
             ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
             # no buffer broadcast in forward: a rank that backs off after an OOM must not
             # leave the others waiting in it; BatchNorm statistics are averaged before eval
-            wrapped = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+            wrapped = DistributedDataParallel(model, device_ids=ids, **_no_forward_buffer_sync())
         if self.config.model.compile:
             wrapped = torch.compile(wrapped)  # type: ignore[assignment]
         return wrapped
@@ -196,6 +198,7 @@ class Trainer:
             self.console.print(f"the run in {self.run_dir} is already complete ({r.epochs} epochs)")
             return self._summary("resumed_complete", None)
         previous = self._install_signal_handlers()
+        path = None
         try:
             while self.epoch < r.epochs:
                 stopped = self._train_epoch()
@@ -229,6 +232,7 @@ class Trainer:
             fetched = time.perf_counter()
             if not taken:
                 return None
+            self.phase = f"step {self.step + 1}"
             result = self.runner.run(taken)
             self.step += 1
             self.stats.add(result, fetched - start, time.perf_counter() - start)
@@ -276,21 +280,33 @@ class Trainer:
         model = self.model
         model.eval()
         counts = EvalCounts(len(self.classes), self.dist.device)
-        dtype = self.precision.dtype
         for images, labels in self.val_loader:
-            from dlpipe.transforms import normalize
-
-            x = normalize(images, self.dist.device)
-            if self.config.model.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            y = labels.to(self.dist.device, non_blocking=True)
-            with torch.autocast(self.dist.device.type, dtype=dtype, enabled=dtype is not None):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float(), y, reduction="sum")
-            counts.update(logits, y, loss)
+            while True:
+                try:
+                    outputs = [
+                        self._eval_forward(x, y) for x, y in self.runner.chunks(images, labels)
+                    ]
+                    break
+                except torch.OutOfMemoryError:  # no collective until the end: retry alone
+                    self.phase = "evaluation"
+                    self.runner.back_off(len(labels))
+            for logits, y, loss in outputs:
+                counts.update(logits, y, loss)
         self.dist.all_reduce_(*counts.tensors())
         model.train()
         return counts.result()
+
+    def _eval_forward(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = normalize(images, self.dist.device)
+        if self.config.model.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = labels.to(self.dist.device, non_blocking=True)
+        dtype = self.precision.dtype
+        with torch.autocast(self.dist.device.type, dtype=dtype, enabled=dtype is not None):
+            logits = self.model(x)
+        return logits, y, F.cross_entropy(logits.float(), y, reduction="sum")
 
     def _end_epoch(self, result: EvalResult | None) -> bool:
         """Report the epoch, update early stopping; returns True to stop early."""
@@ -465,7 +481,7 @@ class Trainer:
     def _backed_off(self, micro_batch: int) -> None:
         accumulation = self.plan.accumulation * self.runner.splits
         self.console.print(
-            f"[yellow]out of memory[/yellow] at step {self.step + 1}: micro-batch now "
+            f"[yellow]out of memory[/yellow] in {self.phase}: micro-batch now "
             f"{micro_batch}, accumulation {accumulation} (global batch {self.plan.batch_size} "
             "unchanged); retrying the step"
         )
@@ -508,6 +524,16 @@ class Trainer:
     def close(self) -> None:
         self.logger.close()
         self.dist.close()
+
+
+def _no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's option for it: ``forward_sync_buffers`` in newer torch, ``broadcast_buffers``."""
+    import inspect
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def _take(batches: Iterator[Any], count: int) -> list[Any]:

@@ -19,6 +19,8 @@ LMDB maps files into memory, so it needs a local filesystem: a URL is refused wi
 
 from __future__ import annotations
 
+import os
+
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -93,10 +95,35 @@ class LmdbWriter(ShardFileWriter):
         self._env.close()
 
 
+# LMDB refuses a second open of one environment in a process: readers of the same shard (two
+# loaders, or a trainer's and a benchmark's) share it, counted, per process and path (an
+# environment inherited through fork is never used).
+_OPEN_ENVS: dict[tuple[int, str], list[Any]] = {}
+
+
 class LmdbReader(ShardReader):
     random_access = True
 
     def _open(self) -> Any:
+        path = (os.getpid(), os.path.realpath(storage.local_path(self.path)))
+        entry = _OPEN_ENVS.get(path)
+        if entry is None:
+            entry = _OPEN_ENVS[path] = [self._open_env(), 0]
+        entry[1] += 1
+        return entry[0]
+
+    def _close_handle(self, handle: Any) -> None:
+        path = (os.getpid(), os.path.realpath(storage.local_path(self.path)))
+        entry = _OPEN_ENVS.get(path)
+        if entry is None or entry[0] is not handle:
+            handle.close()
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _OPEN_ENVS[path]
+            handle.close()
+
+    def _open_env(self) -> Any:
         env = lmdb.open(
             storage.local_path(self.path),
             subdir=False,
