@@ -20,7 +20,6 @@ LMDB maps files into memory, so it needs a local filesystem: a URL is refused wi
 from __future__ import annotations
 
 import os
-
 import struct
 from collections.abc import Iterator
 from typing import Any
