@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from dlpipe.errors import DlpipeError
+from dlpipe.train.confusion import render_confusion
 from dlpipe.train.metrics import EvalCounts, EvalResult, top_k
-from dlpipe.train.reporting import MissingExtraError, RunLogger, render_confusion
+from dlpipe.train.reporting import MissingExtraError, RunLogger
 
 # Seven classes, six samples; each ranking lists classes from highest logit to lowest.
 RANKINGS = [

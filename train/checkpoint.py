@@ -11,9 +11,11 @@ never a truncated file under a real name. Every value is a tensor or plain data,
 from __future__ import annotations
 
 import os
+import random
 import re
 from typing import Any
 
+import numpy as np
 import torch
 
 from dlpipe import storage
@@ -21,12 +23,15 @@ from dlpipe.errors import DlpipeError
 
 __all__ = [
     "CheckpointError",
+    "check_resumable",
     "checkpoint_dir",
     "list_checkpoints",
     "load_checkpoint",
     "newest_checkpoint",
     "prune_checkpoints",
+    "rng_state",
     "save_checkpoint",
+    "set_rng_state",
     "strip_prefixes",
 ]
 
@@ -97,6 +102,21 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     return state
 
 
+def check_resumable(state: dict[str, Any], path: str, world_size: int, classes: list[str]) -> None:
+    """Refuse a checkpoint this run cannot continue exactly."""
+    if state["world_size"] != world_size:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+            f"{world_size}; resuming the data order exactly needs the same count: run with "
+            f"--nproc-per-node {state['world_size']} (or --resume none)"
+        )
+    if list(state["classes"]) != list(classes):
+        raise CheckpointError(
+            f"checkpoint {path} was trained on classes {state['classes']}, the dataset has "
+            f"{list(classes)}; point --out at a new run folder"
+        )
+
+
 def list_checkpoints(run_dir: str) -> list[str]:
     """The run's step checkpoints, newest first."""
     folder = checkpoint_dir(run_dir)
@@ -135,3 +155,25 @@ def strip_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
             key = key.split(".", 1)[1]
         out[key] = value
     return out
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG stream as tensors and plain data (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)
+    return {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -103,7 +103,8 @@ class TrainConfig:
 
     def resolved(self) -> TrainConfig:
         """A copy with every derived default filled in (run folder, lr, weight decay)."""
-        data, model, optim, run = (dataclasses.replace(p) for p in self.parts())
+        data, model = dataclasses.replace(self.data), dataclasses.replace(self.model)
+        optim, run = dataclasses.replace(self.optim), dataclasses.replace(self.run)
         if not run.out:
             name = os.path.basename(os.path.normpath(data.path)) or "data"
             run.out = os.path.join("runs", f"{name}-{model.name.replace(':', '.')}")

@@ -8,6 +8,7 @@ code path and no ``if rank == 0:`` around work that needs every rank.
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["Distributed", "init_distributed"]
 
@@ -73,6 +75,18 @@ class Distributed:
                 buffer.div_(self.world_size)
             else:
                 dist.broadcast(buffer, src=0)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP around `model` when there are several ranks (the model itself otherwise)."""
+        if not self.enabled:
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        # no buffer broadcast in forward: a rank that backs off after an out-of-memory error
+        # must not leave the others waiting in it; buffers are averaged before eval instead
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+        if "forward_sync_buffers" in params:  # the newer name of the option
+            return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():

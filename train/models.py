@@ -73,8 +73,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     while True:
         if isinstance(model, DistributedDataParallel):
-            model = model.module
+            inner = model.module
         elif type(model).__name__ == "OptimizedModule":  # torch.compile's wrapper
-            model = model._orig_mod
+            inner = model._orig_mod
         else:
             return model
+        assert isinstance(inner, nn.Module)
+        model = inner

@@ -20,7 +20,8 @@ __all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
     assert config.lr is not None and config.weight_decay is not None  # resolved config
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim > 1 else no_decay).append(param)

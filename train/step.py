@@ -174,7 +174,7 @@ class StepRunner:
         no_sync = getattr(self.model, "no_sync", None)
         if last or not self.dist.enabled or no_sync is None:
             return contextlib.nullcontext()
-        return no_sync()  # type: ignore[no-any-return]
+        return no_sync()  # type: ignore[no-any-return,unused-ignore]
 
     def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = normalize(images, self.device)

@@ -18,15 +18,13 @@ import random
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from dlpipe import storage
 from dlpipe.loader import make_loader
@@ -37,44 +35,12 @@ from dlpipe.train.distributed import init_distributed
 from dlpipe.train.metrics import EvalCounts, EvalResult
 from dlpipe.train.models import build_model, unwrap
 from dlpipe.train.optim import build_optimizer, build_scheduler
+from dlpipe.train.progress import EpochStats, RunSummary, epoch_line, input_verdict
 from dlpipe.train.reporting import RunLogger
 from dlpipe.train.step import StepResult, StepRunner, TrainingError, resolve_precision
 from dlpipe.transforms import normalize
 
 __all__ = ["RunSummary", "Trainer"]
-
-INPUT_BOUND_SHARE = 0.10  # waiting for data more than this share of step time is worth fixing
-
-
-@dataclass
-class EpochStats:
-    """Running totals of the epoch in progress (checkpointed, so a resumed epoch reports whole)."""
-
-    loss_sum: float = 0.0
-    samples: int = 0
-    steps: int = 0
-    wait_s: float = 0.0
-    busy_s: float = 0.0
-
-    def add(self, result: StepResult, wait_s: float, total_s: float) -> None:
-        if math.isfinite(result.loss):
-            self.loss_sum += result.loss * result.samples
-            self.samples += result.samples
-        self.steps += 1
-        self.wait_s += wait_s
-        self.busy_s += total_s
-
-
-@dataclass
-class RunSummary:
-    run_dir: str
-    epochs_done: int
-    steps: int
-    stopped: str  # completed | early_stop | max_steps | signal | resumed_complete
-    last_val: dict[str, Any] | None = None
-    checkpoint: str | None = None
-    best_top1: float | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Trainer:
@@ -101,7 +67,7 @@ class Trainer:
         self.val_loader = self._val_loader()
         model = build_model(m.name, len(self.classes)).to(self.dist.device)
         if m.channels_last:
-            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+            model = model.to(memory_format=torch.channels_last)
         self.model = model
         self.optimizer = build_optimizer(model, o)
         n_train = self.manifest.split(d.train_split).samples
@@ -177,14 +143,9 @@ class Trainer:
         return self._loader(split, "eval")
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        wrapped: nn.Module = model
-        if self.dist.enabled:
-            ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
-            # no buffer broadcast in forward: a rank that backs off after an OOM must not
-            # leave the others waiting in it; BatchNorm statistics are averaged before eval
-            wrapped = DistributedDataParallel(model, device_ids=ids, **_no_forward_buffer_sync())
+        wrapped = self.dist.wrap(model)
         if self.config.model.compile:
-            wrapped = torch.compile(wrapped)  # type: ignore[assignment]
+            wrapped = cast(nn.Module, torch.compile(wrapped))
         return wrapped
 
     # ---- the run -------------------------------------------------------------------------
@@ -345,28 +306,12 @@ class Trainer:
         return True
 
     def _print_epoch(self, record: dict[str, Any], wait: float) -> None:
-        parts = [f"epoch {record['epoch']}/{self.config.run.epochs}", f"step {self.step}"]
-        if record["train_loss"] is not None:
-            parts.append(f"train loss {record['train_loss']:.4f}")
-        if "val_loss" in record:
-            parts += [
-                f"val loss {record['val_loss']:.4f}",
-                f"top-1 {100 * record['top1']:.2f}%",
-                f"top-5 {100 * record['top5']:.2f}%",
-            ]
-        parts += [
-            f"lr {record['lr']:.3g}",
-            f"{record['samples_per_s']:.0f} samples/s",
-            f"data wait {100 * wait:.0f}%",
-        ]
-        self.console.print(" | ".join(parts))
-        if wait > INPUT_BOUND_SHARE:
-            d = self.config.data
-            self.console.print(
-                f"  input-bound: waiting for data {100 * wait:.0f}% of the time: run dlpipe "
-                f"bench-loader {d.path} --batch-size {self.plan.micro_batch} --image-size "
-                f"{d.image_size}" + (" --device cuda" if self.dist.device.type == "cuda" else "")
-            )
+        self.console.print(epoch_line(record, self.config.run.epochs, self.step))
+        d = self.config.data
+        cuda = self.dist.device.type == "cuda"
+        advice = input_verdict(wait, d.path, self.plan.micro_batch, d.image_size, cuda)
+        if advice:
+            self.console.print(f"  {advice}")
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -405,11 +350,11 @@ class Trainer:
         self.skipped_steps, self.history = t["skipped_steps"], list(t["history"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.train_loader.load_state_dict(rank_state["loader"])
-        _set_rng_state(rank_state["rng"])
+        ckpt.set_rng_state(rank_state["rng"])
 
     def _save(self, reason: str, *, best: bool = False) -> str:
         """Collective: gather every rank's loader and RNG state; rank 0 writes."""
-        mine = {"loader": self.train_loader.state_dict(), "rng": _rng_state()}
+        mine = {"loader": self.train_loader.state_dict(), "rng": ckpt.rng_state()}
         ranks = self.dist.all_gather(mine)
         path = ckpt.step_path(self.run_dir, self.step)
         if self.dist.is_main:
@@ -437,34 +382,21 @@ class Trainer:
         if path is None:
             return
         state = ckpt.load_checkpoint(path)
-        if state["world_size"] != self.dist.world_size:
-            raise TrainingError(
-                f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
-                f"{self.dist.world_size}; resuming the data order exactly needs the same count: "
-                f"run with --nproc-per-node {state['world_size']} (or --resume none)"
-            )
-        if list(state["classes"]) != self.classes:
-            raise TrainingError(
-                f"checkpoint {path} was trained on classes {state['classes']}, the dataset has "
-                f"{self.classes}; point --out at a new run folder"
-            )
+        ckpt.check_resumable(state, path, self.dist.world_size, self.classes)
         self.load_state_dict(state, state["ranks"][self.dist.rank])
         self.console.print(f"resumed from {path} (step {self.step}, epoch {self.epoch + 1})")
         self.logger.event("resume", step=self.step, epoch=self.epoch, path=path)
 
     # ---- signals, messages ---------------------------------------------------------------
 
-    def _install_signal_handlers(self) -> dict[int, Any]:
+    def _install_signal_handlers(self) -> dict[signal.Signals, Any]:
         def request_stop(signum: int, frame: Any) -> None:
             if self.runner.stop_requested and signum == signal.SIGINT:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             self.signal_name = signal.Signals(signum).name
             self.runner.stop_requested = True
 
-        previous = {}
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, request_stop)
-        return previous
+        return {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _explain_stop(self, why: str, path: str) -> None:
         resume = f"dlpipe train --config {os.path.join(self.run_dir, 'config.toml')}"
@@ -526,16 +458,6 @@ class Trainer:
         self.dist.close()
 
 
-def _no_forward_buffer_sync() -> dict[str, bool]:
-    """DDP's option for it: ``forward_sync_buffers`` in newer torch, ``broadcast_buffers``."""
-    import inspect
-
-    params = inspect.signature(DistributedDataParallel.__init__).parameters
-    if "forward_sync_buffers" in params:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
 def _take(batches: Iterator[Any], count: int) -> list[Any]:
     taken = []
     for batch in batches:
@@ -543,24 +465,3 @@ def _take(batches: Iterator[Any], count: int) -> list[Any]:
         if len(taken) == count:
             break
     return taken
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG stream as tensors and plain data (loadable with weights_only=True)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
-    return {
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
