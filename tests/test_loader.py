@@ -154,3 +154,38 @@ def test_worker_memory_does_not_grow_across_epochs(tmp_path) -> None:
         sizes.append(_worker_pss(loader))
     assert sizes[0] > 0
     assert sizes[-1] - sizes[1] < 16 * 2**20, sizes  # no copy-on-read creep per epoch
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_global_batches_do_not_depend_on_the_world_size(drop_last) -> None:
+    """Rank r's k-th batch of b is block r + k*world: step s is the same global batch."""
+    n, per_rank = 70, 4
+    one = [i for _, i in EpochSampler(n, seed=3, block=8, drop_last=drop_last)]
+    ranks = [
+        [i for _, i in EpochSampler(n, rank=r, world_size=2, seed=3, block=per_rank,
+                                     drop_last=drop_last)]
+        for r in range(2)
+    ]  # fmt: skip
+    steps = n // (2 * per_rank)
+    for s in range(steps):
+        ddp = {i for r in ranks for i in r[s * per_rank : (s + 1) * per_rank]}
+        assert ddp == set(one[s * 8 : (s + 1) * 8])
+    if drop_last:
+        assert len(ranks[0]) == len(ranks[1]) == n // 2
+    else:
+        assert sorted(ranks[0] + ranks[1]) == list(range(n))
+
+
+def test_wds_evaluation_reads_every_sample_once_with_more_readers_than_shards(
+    tmp_path, samples
+) -> None:
+    from conftest import write_dataset
+
+    path = write_dataset(tmp_path / "d", "wds", {"val": samples[:13]}, max_shard_samples=8)
+    keys = []
+    for rank in range(2):
+        loader = dlpipe.make_loader(
+            path, "val", batch_size=4, transform=None, num_workers=2, rank=rank, world_size=2
+        )
+        keys += [s["__key__"] for batch in loader for s in batch]
+    assert sorted(keys) == sorted(s["__key__"] for s in samples[:13])

@@ -246,3 +246,27 @@ def test_a_finished_run_says_so_and_does_nothing(colours, tmp_path, capsys) -> N
     assert train(colours["lmdb"], run, "--epochs", "1") == 0
     assert "already complete" in capsys.readouterr().out
     assert len(records(run, "epoch")) == 1
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_zero(colours, tmp_path) -> None:
+    run = tmp_path / "run"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "dlpipe", "train", colours["wds"], "--out", str(run), *COMMON,
+         "--epochs", "500", "--nproc-per-node", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and child.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and metrics.read_text().count('"step"') >= 3:
+            break
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=180)
+    assert child.returncode == 0, err[-3000:]
+    assert "resume with: dlpipe train --config" in out and "--nproc-per-node 2" in out
+    state = newest(run)
+    assert state["reason"] == "signal" and len(state["ranks"]) == 2
+    positions = [r["loader"] for r in state["ranks"]]
+    assert positions[0] != positions[1]  # each rank's own wds reader position

@@ -8,6 +8,7 @@ torchrun (or a cluster's launcher that sets RANK/WORLD_SIZE) each process is one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -145,10 +146,15 @@ def _launch(nproc: int, argv: list[str]) -> int:
         "dlpipe",
         *argv,
     ]
-    child = subprocess.Popen(command)
+    # torchrun runs in its own session, so a terminal's Ctrl-C reaches only this process, which
+    # passes each signal once to the ranks themselves: they finish the step, checkpoint and exit
+    # 0, and torchrun ends normally (signalled itself, it would tear the ranks down and fail)
+    child = subprocess.Popen(command, start_new_session=True)
 
     def forward(signum: int, frame: Any) -> None:
-        child.send_signal(signum)
+        for pid in _children(child.pid) or [child.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -156,6 +162,15 @@ def _launch(nproc: int, argv: list[str]) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux /proc; empty where that is not available)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
