@@ -74,3 +74,13 @@ def test_layout_snippets_match_the_code() -> None:
 
     assert 'f["jpg.offsets"]' in README and "jpg.offsets" in hdf5.__doc__
     assert 'b"dlpipe.meta"' in README and lmdb.META_KEY == b"dlpipe.meta"
+
+
+def test_the_training_config_example_loads(tmp_path) -> None:
+    from dlpipe.train.config import load_config, plan_batches
+
+    (toml,) = _blocks("toml")
+    (tmp_path / "run.toml").write_text(toml)
+    config = load_config(str(tmp_path / "run.toml"), {})
+    assert config.model.name == "resnet50" and config.run.micro_batch == 128
+    assert plan_batches(config.run.batch_size, 8, config.run.micro_batch).accumulation == 1

@@ -430,7 +430,8 @@ class Trainer:
         params = sum(t.numel() for t in self.model.parameters())
         self.console.print(text.rstrip(), markup=False)
         self.console.print(
-            f"global batch {p.batch_size} = {p.world_size} ranks x micro-batch {p.micro_batch} x "
+            f"global batch {p.batch_size} = {p.world_size} rank{'s' if p.world_size > 1 else ''} "
+            f"x micro-batch {p.micro_batch} x "
             f"{p.accumulation} accumulation steps; {self.steps_per_epoch} steps per epoch"
         )
         self.console.print(
