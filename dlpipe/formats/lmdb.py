@@ -104,7 +104,10 @@ class LmdbReader(ShardReader):
     random_access = True
 
     def _open(self) -> Any:
-        path = (os.getpid(), os.path.realpath(storage.local_path(self.path)))
+        pid = os.getpid()
+        for inherited in [k for k in _OPEN_ENVS if k[0] != pid]:
+            del _OPEN_ENVS[inherited]  # dropped, as the readers drop theirs: LMDB then reopens
+        path = (pid, os.path.realpath(storage.local_path(self.path)))
         entry = _OPEN_ENVS.get(path)
         if entry is None:
             entry = _OPEN_ENVS[path] = [self._open_env(), 0]
