@@ -10,12 +10,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dlpipe import storage
 from dlpipe.converters.engine import (
     ERRORS_NAME,
     ConvertConfig,
     ConvertResult,
     convert,
-    on_system_disk,
 )
 from dlpipe.converters.plan import Plan
 from dlpipe.converters.sources import SOURCE_KINDS
@@ -129,7 +129,7 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
     )
     out = config.output()
     console.print(f"dlpipe convert {config.raw} → {out} ({config.to}, engine {config.engine})")
-    if on_system_disk(out):
+    if storage.on_system_disk(out):
         console.print(
             f"[yellow]warning[/yellow]: {out} is on the system disk (the one holding /); "
             "put datasets on a data disk with --out or DLPIPE_DATA_DIR"

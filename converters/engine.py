@@ -280,7 +280,7 @@ def check_disk(out: str, estimated_bytes: int) -> None:
     """Refuse when the target filesystem lacks room; warn when it is the system disk."""
     if storage.is_url(out):
         return
-    probe = _existing_ancestor(out)
+    probe = storage.existing_ancestor(out)
     needed = int(estimated_bytes * 1.1) + (16 << 20)
     free = shutil.disk_usage(probe).free
     if needed > free:
@@ -288,21 +288,6 @@ def check_disk(out: str, estimated_bytes: int) -> None:
             f"{out}: the conversion needs about {needed / 1e9:.2f} GB but {free / 1e9:.2f} GB "
             "is free there; free space, or point --out (or DLPIPE_DATA_DIR) at a bigger disk"
         )
-
-
-def on_system_disk(out: str) -> bool:
-    """True when a local `out` lands on the filesystem that holds ``/``."""
-    if storage.is_url(out):
-        return False
-    return os.stat(_existing_ancestor(out)).st_dev == os.stat("/").st_dev
-
-
-def _existing_ancestor(out: str) -> str:
-    """The nearest folder of a local `out` that exists already (its filesystem's)."""
-    probe = os.path.abspath(storage.local_path(out))
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    return probe
 
 
 def _finish(

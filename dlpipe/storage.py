@@ -15,12 +15,14 @@ from typing import IO, Any
 
 __all__ = [
     "atomic_write_bytes",
+    "existing_ancestor",
     "exists",
     "is_url",
     "join",
     "listdir",
     "local_path",
     "makedirs",
+    "on_system_disk",
     "open_read",
     "publish_file",
     "read_bytes",
@@ -118,6 +120,21 @@ def open_read(path: str) -> IO[bytes]:
         fs, p = _fs(path)
         return fs.open(p, "rb")
     return open(local_path(path), "rb")
+
+
+def existing_ancestor(path: str) -> str:
+    """The nearest folder of a local `path` that exists already (its filesystem's)."""
+    probe = os.path.abspath(local_path(path))
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return probe
+
+
+def on_system_disk(path: str) -> bool:
+    """True when a local `path` lands on the filesystem that holds ``/``."""
+    if is_url(path):
+        return False
+    return os.stat(existing_ancestor(path)).st_dev == os.stat("/").st_dev
 
 
 def _fsync_dir(folder: str) -> None:

@@ -235,7 +235,7 @@ def test_refuses_when_the_disk_is_too_small(tmp_path, monkeypatch, capsys) -> No
 
 def test_warns_when_the_output_is_on_the_system_disk(tmp_path, monkeypatch, capsys) -> None:
     raw = make_raw(tmp_path / "raw", per_class=1)
-    monkeypatch.setattr("dlpipe.converters.command.on_system_disk", lambda out: True)
+    monkeypatch.setattr("dlpipe.storage.on_system_disk", lambda out: True)
     assert run([str(raw), "--to", "wds", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "system disk" in out and "DLPIPE_DATA_DIR" in out
