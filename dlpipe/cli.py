@@ -30,6 +30,18 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return run_demo(config, console)
 
 
+def _doctor(args: argparse.Namespace, console: Console) -> int:
+    from dlpipe.doctor import Probe, print_checks, run_checks, to_json
+
+    probe = Probe(data_dir=args.data_dir) if args.data_dir else Probe()
+    checks = run_checks(probe)
+    if args.json:
+        print(json.dumps(to_json(checks), indent=2))
+    else:
+        print_checks(checks, console)
+    return 1 if any(c.status == "problem" for c in checks) else 0
+
+
 def _inspect(args: argparse.Namespace, console: Console) -> int:
     from dlpipe.inspection import describe_dataset, print_description
 
@@ -76,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(handler=_demo)
+
+    doctor = sub.add_parser("doctor", help="check the machine: GPUs, drivers, memory, disks")
+    doctor.add_argument(
+        "--data-dir", help="where datasets live (default: $DLPIPE_DATA_DIR, else here)"
+    )
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.set_defaults(handler=_doctor)
 
     inspect = sub.add_parser("inspect", help="show a dataset's format, splits, fields, classes")
     inspect.add_argument("data", help="dataset folder or URL")
