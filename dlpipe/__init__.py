@@ -15,6 +15,7 @@ from dlpipe.errors import (
     OutputExistsError,
     ShardCorruptError,
     ShardCountError,
+    SplitTooSmallError,
     UnsafeMemberError,
     UnsupportedStorageError,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "ShardInfo",
     "ShardLimits",
     "SplitInfo",
+    "SplitTooSmallError",
     "StreamDataset",
     "UnsafeMemberError",
     "UnsupportedStorageError",

@@ -25,7 +25,11 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     from dlpipe.demo import DemoConfig, default_demo_dir, run_demo
 
     config = DemoConfig(
-        out=args.out or default_demo_dir(), per_class=args.per_class, seed=args.seed
+        out=args.out or default_demo_dir(),
+        per_class=args.per_class,
+        seed=args.seed,
+        epochs=args.epochs,
+        model=args.model,
     )
     return run_demo(config, console)
 
@@ -87,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="images per class (8 classes; default 400)",
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--epochs", type=int, default=6, help="training epochs (6; 0 converts and verifies only)"
+    )
+    demo.add_argument("--model", default="resnet18", help="torchvision model to train")
     demo.set_defaults(handler=_demo)
 
     doctor = sub.add_parser("doctor", help="check the machine: GPUs, drivers, memory, disks")

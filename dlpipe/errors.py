@@ -17,6 +17,7 @@ __all__ = [
     "OutputExistsError",
     "ShardCorruptError",
     "ShardCountError",
+    "SplitTooSmallError",
     "UnsafeMemberError",
     "UnsupportedStorageError",
 ]
@@ -64,3 +65,7 @@ class ShardCountError(DlpipeError, ValueError):
 
 class OutputExistsError(DlpipeError, FileExistsError):
     """The output folder already holds data and overwriting was not asked for."""
+
+
+class SplitTooSmallError(DlpipeError, ValueError):
+    """A split holds fewer samples than one batch (per rank) needs."""

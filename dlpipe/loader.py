@@ -167,11 +167,16 @@ def _collate(batch: list[Any]) -> Any:
 
 
 def _resolve_transform(
-    transform: str | SampleFn | None, dataset: PreparedDataset, image_size: int, seed: int
+    transform: str | SampleFn | None,
+    dataset: PreparedDataset,
+    image_size: int,
+    seed: int,
+    min_crop_scale: float,
 ) -> Callable[..., Any] | None:
     if transform is None or callable(transform):
         return transform
-    return ImageTransform(transform, image_size, image_field(list(dataset.manifest.fields)), seed)
+    field = image_field(list(dataset.manifest.fields))
+    return ImageTransform(transform, image_size, field, seed, min_crop_scale)
 
 
 def make_loader(
@@ -181,6 +186,7 @@ def make_loader(
     *,
     transform: str | SampleFn | None = "auto",
     image_size: int = 224,
+    min_crop_scale: float = 0.08,
     shuffle: bool | None = None,
     seed: int = 0,
     drop_last: bool | None = None,
@@ -201,6 +207,8 @@ def make_loader(
             None (raw sample dicts, batched as lists), or a callable on a sample dict. The
             default, ``"auto"``, is ``"train"`` for the train split and ``"eval"`` otherwise.
         image_size: the crop side of the image transforms.
+        min_crop_scale: the smallest share of the image area a ``"train"`` crop keeps
+            (torchvision's and timm's default 0.08; raise it when objects are small).
         shuffle, drop_last: default True for the train split, False otherwise.
         seed: seeds the epoch permutations and augmentation.
         num_workers, prefetch_factor, pin_memory: DataLoader worker settings; each one given
@@ -222,7 +230,7 @@ def make_loader(
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
     if transform == "auto":
         transform = "train" if train else "eval"
-    fn = _resolve_transform(transform, dataset, image_size, seed)
+    fn = _resolve_transform(transform, dataset, image_size, seed, min_crop_scale)
     chosen = select_profile(
         profile,
         path,

@@ -59,10 +59,15 @@ def image_field(fields: list[str] | tuple[str, ...]) -> str:
 class ImageTransform:
     """Picklable per-sample transform for DataLoader workers (fork or spawn)."""
 
-    def __init__(self, recipe: str, image_size: int, field: str, seed: int = 0) -> None:
+    def __init__(
+        self, recipe: str, image_size: int, field: str, seed: int = 0, min_scale: float = 0.08
+    ) -> None:
         if recipe not in ("train", "eval"):
             raise ValueError(f"transform {recipe!r} must be 'train', 'eval', None or a callable")
+        if not 0 < min_scale <= 1:
+            raise ValueError(f"min_scale {min_scale} must be in (0, 1]: the smallest crop's area")
         self.recipe, self.image_size, self.field, self.seed = recipe, image_size, field, seed
+        self.min_scale = min_scale
         self._ops: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def ops(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -70,7 +75,7 @@ class ImageTransform:
             size = self.image_size
             if self.recipe == "train":
                 steps: list[Any] = [
-                    v2.RandomResizedCrop(size, antialias=True),
+                    v2.RandomResizedCrop(size, scale=(self.min_scale, 1.0), antialias=True),
                     v2.RandomHorizontalFlip(),
                 ]
             else:

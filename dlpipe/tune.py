@@ -26,6 +26,8 @@ import torch
 import torch.utils.data
 
 from dlpipe.dataset import open_dataset
+from dlpipe.errors import SplitTooSmallError
+from dlpipe.manifest import read_manifest
 from dlpipe.transforms import ImageTransform, decode_rgb, image_field
 
 __all__ = ["BenchConfig", "BenchReport", "StageRates", "Trial", "bench_loader", "verdict"]
@@ -185,7 +187,14 @@ def available_memory() -> int:
 
 def _batches(loader: Any) -> Iterator[Any]:
     while True:  # small datasets: keep going, epoch after epoch
-        yield from loader
+        count = 0
+        for batch in loader:
+            count += 1
+            yield batch
+        if count == 0:  # e.g. every wds reader's share is below one batch
+            raise SplitTooSmallError(
+                f"a pass over split {loader.dataset!r} gave no full batch; lower --batch-size"
+            )
 
 
 def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
@@ -327,6 +336,12 @@ def bench_loader(
     config: BenchConfig, on_trial: Callable[[Trial], None] | None = None
 ) -> BenchReport:
     """Stages, search, verdict (see the module docstring); saves nothing (the CLI does)."""
+    samples = read_manifest(config.path).split(config.split).samples
+    if samples < config.batch_size:
+        raise SplitTooSmallError(
+            f"{config.path} split {config.split!r} has {samples} samples, fewer than one batch "
+            f"of {config.batch_size}; lower --batch-size"
+        )
     stages = measure_stages(config, seconds=min(max(config.budget_s / 20, 1.0), 5.0))
     report = BenchReport(config=config, stages=stages)
     report.trials = search(config, on_trial)

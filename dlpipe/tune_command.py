@@ -13,7 +13,7 @@ from rich.table import Table
 if TYPE_CHECKING:  # the tuner imports torch: only when the command runs
     from dlpipe.tune import BenchReport, Trial
 
-__all__ = ["add_bench_parser", "run_bench_loader"]
+__all__ = ["add_bench_parser", "run_bench_loader", "save_winner"]
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +61,7 @@ def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
             )
 
     report = bench_loader(config, on_trial=show)
-    saved = None if args.no_save else _save(report)
+    saved = None if args.no_save else save_winner(report)
     if args.plot:
         _plot(report, args.plot)
     if quiet:
@@ -71,7 +71,8 @@ def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _save(report: BenchReport) -> str:
+def save_winner(report: BenchReport) -> str:
+    """Save the best trial as the loader profile `make_loader` finds; returns where."""
     from dlpipe.profile import LoaderProfile, loader_key, machine_key, save_profile
 
     best, cfg = report.best, report.config

@@ -52,8 +52,18 @@ def test_demo_writes_every_format_and_verifies(tmp_path, capsys) -> None:
         assert len(ds) == 32 and fmt in printed
         assert dlpipe.verify_dataset(str(out / f"shapes-{fmt}"), decode=True).ok
     assert sum(1 for _ in (out / "raw").rglob("*.jpg")) == 40
-    assert "8 classes" in printed
-    assert main(["demo", "--out", str(out), "--per-class", "5"]) == 0  # reruns over its own output
+    assert "8 shape classes" in printed
+    assert (
+        "tuned the loader" in printed and (out / "shapes-lmdb" / "dlpipe-profiles.json").is_file()
+    )
+    assert (
+        "val top-1" in printed and f"tensorboard --logdir {out / 'run' / 'tensorboard'}" in printed
+    )
+    for made in ("metrics.jsonl", "confusion.png", "config.toml", "checkpoints/best.pt"):
+        assert (out / "run" / made).is_file(), made
+    # reruns over its own output; --epochs 0 converts and verifies only
+    assert main(["demo", "--out", str(out), "--per-class", "5", "--epochs", "0"]) == 0
+    assert not (out / "run").exists()
 
 
 def test_demo_refuses_a_folder_it_did_not_make(tmp_path, capsys) -> None:

@@ -25,6 +25,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "train_split": ("data", "train_split"),
     "val_split": ("data", "val_split"),
     "image_size": ("data", "image_size"),
+    "min_crop_scale": ("data", "min_crop_scale"),
     "num_workers": ("data", "num_workers"),
     "model": ("model", "name"),
     "channels_last": ("model", "channels_last"),
@@ -65,6 +66,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-epochs", type=float)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--image-size", type=int)
+    p.add_argument("--min-crop-scale", type=float, help="smallest train crop's area share (0.08)")
     p.add_argument("--out", help="run folder (runs/{dataset}-{model})")
     p.add_argument("--resume", help="auto (newest valid checkpoint), none, or a .pt path")
     p.add_argument("--nproc-per-node", type=int, help="launch N processes with torchrun")

@@ -52,6 +52,7 @@ class DataConfig:
     train_split: str = "train"
     val_split: str = "val"  # "" trains without validation
     image_size: int = 224
+    min_crop_scale: float = 0.08  # RandomResizedCrop's smallest area share (timm's --scale)
     num_workers: int | None = None  # None: the bench-loader profile, else all cores but one
 
 
@@ -144,6 +145,10 @@ class TrainConfig:
             ("optim.clip_grad", o.clip_grad),
         ):
             _require(number is None or number >= 0, f"{name} = {number} must not be negative")
+        _require(
+            0 < d.min_crop_scale <= 1,
+            f"data.min_crop_scale = {d.min_crop_scale} must be in (0, 1]",
+        )
         _require(
             0 <= o.label_smoothing < 1,
             f"optim.label_smoothing = {o.label_smoothing} must be in [0, 1)",

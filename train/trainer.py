@@ -27,6 +27,7 @@ from rich.console import Console
 from torch import nn
 
 from dlpipe import storage
+from dlpipe.errors import SplitTooSmallError
 from dlpipe.loader import make_loader
 from dlpipe.manifest import read_manifest
 from dlpipe.train import checkpoint as ckpt
@@ -44,7 +45,8 @@ __all__ = ["RunSummary", "Trainer"]
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, console: Console) -> None:
+    def __init__(self, config: TrainConfig, console: Console, *, show_config: bool = True) -> None:
+        self.show_config = show_config
         self.config = config.resolved()
         self.config.validate()
         self.dist = init_distributed()
@@ -73,7 +75,7 @@ class Trainer:
         n_train = self.manifest.split(d.train_split).samples
         batches = n_train // self.dist.world_size // self.plan.micro_batch
         if batches == 0:
-            raise TrainingError(
+            raise SplitTooSmallError(
                 f"split {d.train_split!r} has {n_train} samples, fewer than one micro-batch "
                 f"({self.plan.micro_batch}) per rank; lower --batch-size or --micro-batch"
             )
@@ -123,6 +125,7 @@ class Trainer:
             self.plan.micro_batch,
             transform=transform,
             image_size=d.image_size,
+            min_crop_scale=d.min_crop_scale,
             seed=r.seed,
             num_workers=d.num_workers,
             rank=self.dist.rank,
@@ -428,7 +431,8 @@ class Trainer:
             os.makedirs(self.run_dir, exist_ok=True)
             storage.atomic_write_bytes(os.path.join(self.run_dir, "config.toml"), text.encode())
         params = sum(t.numel() for t in self.model.parameters())
-        self.console.print(text.rstrip(), markup=False)
+        if self.show_config:
+            self.console.print(text.rstrip(), markup=False)
         self.console.print(
             f"global batch {p.batch_size} = {p.world_size} rank{'s' if p.world_size > 1 else ''} "
             f"x micro-batch {p.micro_batch} x "
