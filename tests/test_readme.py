@@ -48,15 +48,21 @@ def test_python_api_example_runs(tmp_path) -> None:
     from dlpipe.synthetic import synthetic_samples
 
     (tmp_path / "cat1.jpg").write_bytes(next(synthetic_samples(1))["jpg"])
-    done = _run([sys.executable, "-c", _blocks("python")[0]], tmp_path)
+    done = _run([sys.executable, "-c", _blocks("python")[1]], tmp_path)
     assert done.returncode == 0, done.stderr
     assert "1 ('cat', 'dog')" in done.stdout
 
 
 def test_loader_example_runs_on_the_demo_output(demo_cwd) -> None:
-    done = _run([sys.executable, "-c", _blocks("python")[1]], demo_cwd)
+    done = _run([sys.executable, "-c", _blocks("python")[2]], demo_cwd)
     assert done.returncode == 0, done.stderr
     assert "torch.Size([64, 3, 64, 64])" in done.stdout
+
+
+def test_ten_line_training_loop_runs_on_the_demo_output(demo_cwd) -> None:
+    done = _run([sys.executable, "-c", _blocks("python")[0]], demo_cwd)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("step 3: loss ")
 
 
 def test_commands_on_the_demo_output_run(demo_cwd) -> None:
