@@ -88,6 +88,18 @@ def step_losses(run: Path) -> list[float]:
     return [r["loss"] for r in records(run, "step")]
 
 
+def sigterm_after_3_steps(child: subprocess.Popen, run: Path) -> tuple[str, str]:
+    """A pre-emption: SIGTERM once the run has logged 3 steps; (stdout, stderr) at its exit."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and child.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and metrics.read_text().count('"step"') >= 3:
+            break
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    return child.communicate(timeout=180)
+
+
 def newest(run: Path) -> dict:
     return ckpt.load_checkpoint(ckpt.list_checkpoints(str(run))[0])
 
@@ -141,14 +153,7 @@ def test_sigterm_checkpoints_exits_zero_and_the_run_resumes_exactly(colours, tmp
         [*command, *COMMON, "--epochs", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, cwd=tmp_path,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        metrics = run / "metrics.jsonl"
-        if metrics.is_file() and metrics.read_text().count('"step"') >= 3:
-            break
-        time.sleep(0.05)
-    child.send_signal(signal.SIGTERM)
-    out, err = child.communicate(timeout=120)
+    out, err = sigterm_after_3_steps(child, run)
     assert child.returncode == 0, err
     assert "stopped on SIGTERM" in out and "resume with: dlpipe train --config" in out
     state = newest(run)
@@ -256,14 +261,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_zero(colours, 
          "--epochs", "500", "--nproc-per-node", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and child.poll() is None:
-        metrics = run / "metrics.jsonl"
-        if metrics.is_file() and metrics.read_text().count('"step"') >= 3:
-            break
-        time.sleep(0.05)
-    child.send_signal(signal.SIGTERM)
-    out, err = child.communicate(timeout=180)
+    out, err = sigterm_after_3_steps(child, run)
     assert child.returncode == 0, err[-3000:]
     assert "resume with: dlpipe train --config" in out and "--nproc-per-node 2" in out
     state = newest(run)
