@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
-        "--epochs", type=int, default=6, help="training epochs (6; 0 converts and verifies only)"
+        "--epochs", type=int, default=12, help="training epochs (12; 0 converts and verifies only)"
     )
     demo.add_argument("--model", default="resnet18", help="torchvision model to train")
     demo.set_defaults(handler=_demo)

@@ -38,9 +38,9 @@ class DemoConfig:
     per_class: int = 400
     seed: int = 0
     workers: int = field(default_factory=lambda: os.cpu_count() or 1)
-    epochs: int = 6  # 0: convert and verify only
+    epochs: int = 12  # 0: convert and verify only
     model: str = "resnet18"
-    image_size: int = 48
+    image_size: int = 40
     batch_size: int = 64
     tune_budget_s: float = 20.0
 
@@ -155,9 +155,15 @@ def _train(config: DemoConfig, data: str, console: Console) -> Any:
     train_config = load_config(
         None,
         {
-            "data": {"path": data, "image_size": config.image_size},
+            # the shapes fill a third of the image: crops keep at least half of it
+            "data": {"path": data, "image_size": config.image_size, "min_crop_scale": 0.5},
             "model": {"name": config.model},
-            "optim": {"optimizer": "adamw", "lr": 2e-3, "warmup_epochs": 0.5},
+            "optim": {
+                "optimizer": "adamw",
+                "lr": 3e-3,
+                "warmup_epochs": 1.0,
+                "label_smoothing": 0.1,
+            },
             "run": {
                 "epochs": config.epochs,
                 "batch_size": config.batch_size,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import dlpipe
 from dlpipe.cli import main
 
@@ -84,3 +86,19 @@ def test_console_script_and_python_m_run_as_processes(make_dataset) -> None:
             [*command, "inspect", os.path.dirname(path) + "/nope"], capture_output=True, text=True
         )
         assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_default_demo_trains_to_at_least_90_percent(tmp_path, capsys) -> None:
+    """The README's first command, in-process: the embedded dataset is learnt, not guessed."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    epochs = [
+        json.loads(line)
+        for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"event": "epoch"' in line
+    ]
+    assert len(epochs) == 12 and epochs[-1]["val_samples"] == 640
+    assert epochs[-1]["top1"] >= 0.90, [round(e["top1"], 3) for e in epochs]
+    assert f"val top-1:        {100 * epochs[-1]['top1']:.1f}% after 12 epochs" in printed
