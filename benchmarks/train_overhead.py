@@ -31,8 +31,9 @@ torch's, one per core).
 The machine may be shared: before each run the benchmark waits (at most ``--max-wait`` s)
 until other processes use at most 3 % of the CPUs (1 s samples of ``/proc/stat``), and it
 measures the share they used during the run (all CPU time less this process's and its loader
-workers'); a run during which they used more is run again (at most ``--retries`` times) and
-reported as such. The decision depends only on the other processes, never on the result.
+workers'); a run during which they used more is run again (at most ``--retries`` times),
+and left out if it stays so. The decision depends only on the other processes, never on the
+result.
 
 Whole runs of the same contender differ by several per cent on a small shared machine, so
 two finer checks follow. Step by step: three models (same init) take turns one step at a
@@ -230,23 +231,29 @@ def measure(run: dict[str, Any], warmup: int, steps: int) -> dict[str, Any]:
 
 
 def run_rounds(path: str, work: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Alternate the contenders; a run that other processes contended is run again."""
+    """Alternate the contenders; a run that other processes contended is run again, and left
+    out if it stays contended (all of a contender's runs are used if none was quiet)."""
     rows = []
     for index in range(args.rounds):
         for name in (HAND, DLPIPE):
             for attempt in range(args.retries + 1):
                 row = run_once(path, work, name, (index, attempt), args)
-                contended = (row["others_during"] or 0.0) > QUIET_SHARE
-                row["used"] = not contended or attempt == args.retries
+                row["used"] = (row["others_during"] or 0.0) <= QUIET_SHARE
                 rows.append(row)
+                again = "run again" if attempt < args.retries else "left out"
                 log(
                     f"  round {index + 1} {name:<18} {1e3 * row['step_s']:7.1f} ms/step (median "
                     f"step {1e3 * row['median_step_s']:.1f} ms, run {row['wall_s']:.1f} s, "
                     f"others' CPU {_pct(row['others_during'])})"
-                    + ("" if row["used"] else ": contended, run again")
+                    + ("" if row["used"] else f": contended, {again}")
                 )
                 if row["used"]:
                     break
+    for name in (HAND, DLPIPE):
+        mine = [r for r in rows if r["contender"] == name]
+        if not any(r["used"] for r in mine):
+            for r in mine:
+                r["used"] = True
     return rows
 
 
@@ -472,14 +479,19 @@ def summarise(
     epochs = [r["epoch"] for r in rows if r["contender"] == DLPIPE and r.get("epoch")]
     others = [r["others_during"] for r in rows if r["others_during"] is not None]
     step_s = {(r["round"], r["contender"]): r["step_s"] for r in rows}
-    paired = [step_s[i, DLPIPE] / step_s[i, HAND] for i, name in step_s if name == HAND]
+    paired = [
+        step_s[i, DLPIPE] / step_s[i, HAND]
+        for i, name in step_s
+        if name == HAND and (i, DLPIPE) in step_s
+    ]
     return {
         "per_contender": per,
         "overhead_pct": overhead,
         "overhead_pct_min": 100 * (dl["step_s_min"] / hand["step_s_min"] - 1),
         "overhead_pct_median_step": 100
         * (dl["median_step_s_median"] / hand["median_step_s_median"] - 1),
-        "overhead_pct_paired": 100 * (statistics.median(paired) - 1),
+        "overhead_pct_paired": 100 * (statistics.median(paired) - 1) if paired else None,
+        "rounds_paired": len(paired),
         "goal_pct": GOAL_OVERHEAD_PCT,
         "met": overhead <= GOAL_OVERHEAD_PCT,
         "dlpipe_data_wait": statistics.median(e["data_wait"] for e in epochs) if epochs else None,
@@ -545,8 +557,9 @@ def _setup(result: dict[str, Any]) -> list[str]:
         f"{cfg['warmup']}) / {cfg['steps']}: wall clock, start-up and the first {cfg['warmup']} "
         f"steps left out. {cfg['rounds']} round(s), alternating loop, dlpipe; before each run "
         f"the benchmark waits (up to {cfg['max_wait_s']:g} s) until other processes use at most "
-        f"{100 * QUIET_SHARE:.0f} % of the CPUs, and runs again (up to {cfg['retries']} times) a "
-        "run during which they used more; the figures are from the runs marked used below.",
+        f"{100 * QUIET_SHARE:.0f} % of the CPUs, runs again (up to {cfg['retries']} times) a "
+        "run during which they used more, and leaves it out if it stays contended; the figures "
+        "are from the runs marked used below.",
     ]
 
 
@@ -563,8 +576,13 @@ def _findings(s: dict[str, Any]) -> list[str]:
         f"- Overhead per step, dlpipe / loop - 1 on the medians: **{s['overhead_pct']:+.1f} %** "
         f"(goal <= {s['goal_pct']:g} %): {met(s['met'])}. On the minima "
         f"{s['overhead_pct_min']:+.1f} %; on the median single step "
-        f"{s['overhead_pct_median_step']:+.1f} %; median of the rounds' own ratios "
-        f"{s['overhead_pct_paired']:+.1f} %.",
+        f"{s['overhead_pct_median_step']:+.1f} %"
+        + (
+            f"; median of the {s['rounds_paired']} complete rounds' own ratios "
+            f"{s['overhead_pct_paired']:+.1f} %."
+            if s["overhead_pct_paired"] is not None
+            else "."
+        ),
         f"- Data wait: {dl_wait_text}; the loop waited {100 * s['hand_data_wait']:.1f} % of "
         "its measured steps for batches.",
     ]
@@ -579,7 +597,7 @@ def _findings(s: dict[str, Any]) -> list[str]:
         lines.append(
             f"- Other processes used up to {_pct(busiest)} of the CPUs during a used run "
             f"(median {_pct(s['others_during_median'])}); {s['runs_contended']} contended "
-            "run(s) were run again"
+            "run(s) were left out"
             + (
                 "; some used runs were still contended, so those are slower and noisier than "
                 "this machine alone would be."
@@ -646,7 +664,7 @@ def _rounds(rows: list[dict[str, Any]]) -> list[str]:
             f"| {'-' if wait is None else f'{100 * wait:.1f} %'} "
             f"| {r['loss_first']:.3f} → {r['loss_last']:.3f} | {r['wall_s']:.1f} "
             f"| {_pct(r['others_before'])} / {_pct(r['others_during'])} "
-            f"| {'yes' if r['used'] else 'no: contended, run again'} |"
+            f"| {'yes' if r['used'] else 'no: contended'} |"
         )
     return lines
 
