@@ -176,14 +176,21 @@ class StepRunner:
             return contextlib.nullcontext()
         return no_sync()  # type: ignore[no-any-return,unused-ignore]
 
-    def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def logits(
+        self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`model`'s logits for a uint8 batch (normalised on the device, under autocast), and
+        the labels on the device; training and evaluation share it."""
         x = normalize(images, self.device)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         y = labels.to(self.device, non_blocking=True)
         dtype = self.precision.dtype
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-            logits = self.model(x)
+            return model(x), y
+
+    def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits, y = self.logits(self.model, images, labels)
         return F.cross_entropy(
             logits.float(), y, reduction="sum", label_smoothing=self.label_smoothing
         )

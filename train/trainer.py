@@ -39,7 +39,6 @@ from dlpipe.train.optim import build_optimizer, build_scheduler
 from dlpipe.train.progress import EpochStats, RunSummary, epoch_line, input_verdict
 from dlpipe.train.reporting import RunLogger
 from dlpipe.train.step import StepResult, StepRunner, TrainingError, resolve_precision
-from dlpipe.transforms import normalize
 
 __all__ = ["RunSummary", "Trainer"]
 
@@ -263,13 +262,7 @@ class Trainer:
     def _eval_forward(
         self, images: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = normalize(images, self.dist.device)
-        if self.config.model.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        y = labels.to(self.dist.device, non_blocking=True)
-        dtype = self.precision.dtype
-        with torch.autocast(self.dist.device.type, dtype=dtype, enabled=dtype is not None):
-            logits = self.model(x)
+        logits, y = self.runner.logits(self.model, images, labels)  # not DDP: no collectives
         return logits, y, F.cross_entropy(logits.float(), y, reduction="sum")
 
     def _end_epoch(self, result: EvalResult | None) -> bool:
@@ -371,20 +364,21 @@ class Trainer:
     def _resume(self) -> None:
         """Load the checkpoint --resume names (auto: the newest that loads); collective."""
         choice = self.config.run.resume
-        found = None
+        found, state = None, None
         if self.dist.is_main and choice != "none":
             if choice == "auto":
                 newest = ckpt.newest_checkpoint(self.run_dir)
                 if newest is not None:
                     for problem in newest[2]:
                         self.console.print(f"[yellow]skipped[/yellow] {problem}")
-                    found = newest[0]
+                    found, state = newest[0], newest[1]  # already loaded: not read twice
             else:
                 found = choice
         path = self.dist.broadcast(found)
         if path is None:
             return
-        state = ckpt.load_checkpoint(path)
+        if state is None:
+            state = ckpt.load_checkpoint(path)
         ckpt.check_resumable(state, path, self.dist.world_size, self.classes)
         self.load_state_dict(state, state["ranks"][self.dist.rank])
         self.console.print(f"resumed from {path} (step {self.step}, epoch {self.epoch + 1})")
