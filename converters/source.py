@@ -68,6 +68,8 @@ class Item:
         size: estimated stored bytes (file size, byte length), for shard planning.
         image_kind: ``jpg``/``png``/``webp``/``other`` for the sample's image, or None.
         origin: what to name in an error about this sample (a path, ``table.csv row 7``).
+        original: the full name the key was made from, when the key rule forced a shortened
+            key (the engine records it in ``keys.jsonl``); None otherwise.
     """
 
     key: str
@@ -77,6 +79,7 @@ class Item:
     size: int
     image_kind: str | None
     origin: str
+    original: str | None = None
 
 
 @dataclass(frozen=True)
