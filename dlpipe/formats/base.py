@@ -1,6 +1,13 @@
 """What every shard format shares: the registry entry, the one-shard writer and reader bases,
 and `write_shard`, which stages, checksums and publishes a finished shard.
 
+A shard on disk is untrusted input (someone else may have made it). Every reader therefore
+opens only a regular file that is not a symbolic link (`lstat` first, ``O_NOFOLLOW`` where the
+format opens the file itself), of exactly the manifest's byte count, and every sample it returns
+passes `dlpipe.sample.sample_fields` (the key rule, the field rule, bytes values, a canonical
+``cls`` that fits in int64) and carries exactly the manifest's fields. A hard link is read as the
+file it is (it cannot be told from one). Format modules add their own structural checks at open.
+
 A format module implements `ShardFileWriter` (add samples to one local file, close it) and
 `ShardReader` (open lazily, iterate, and for random-access formats `get`), then registers a
 `ShardFormat`. Rotation, temp names, fsync, sha256 and manifest entries live here and in
@@ -9,27 +16,80 @@ A format module implements `ShardFileWriter` (add samples to one local file, clo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 from dlpipe import storage
 from dlpipe.errors import InvalidFieldError, ShardCorruptError
 from dlpipe.manifest import ShardInfo
-from dlpipe.sample import KEY_FIELD, Sample, sample_fields
+from dlpipe.sample import KEY_FIELD, Sample, check_field_name, sample_fields
 
 __all__ = [
     "ShardBuilder",
     "ShardFileWriter",
     "ShardFormat",
     "ShardReader",
+    "UnsafeShardError",
     "check_schema",
     "file_sha256",
+    "open_regular_file",
     "write_shard",
 ]
+
+_INT64_MAX = (1 << 63) - 1
+
+
+class UnsafeShardError(ShardCorruptError):
+    """A shard holds or is something dlpipe never writes that could read outside the dataset
+    folder or without bound (a symbolic link, a FIFO, an HDF5 external link, a sparse member)."""
+
+
+def open_regular_file(path: str) -> IO[bytes]:
+    """Open a local `path` for reading only if it is a regular file and not a symbolic link.
+
+    ``O_NOFOLLOW`` refuses a link even if one was swapped in after a check, and ``O_NONBLOCK``
+    keeps a FIFO from hanging the open; both are checked again on the open descriptor.
+
+    Raises:
+        UnsafeShardError: `path` is a symbolic link or not a regular file.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if os.path.islink(path):
+            raise _not_regular(path, "a symbolic link") from None
+        raise exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_regular(path, _file_kind(mode))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "a device or socket"
+
+
+def _not_regular(path: str, kind: str) -> UnsafeShardError:
+    return UnsafeShardError(
+        f"shard {path} is {kind}, not a regular file; dlpipe never writes one and refuses it "
+        "(a dataset must not point outside its folder). Put the shard file itself in the "
+        "dataset folder, or re-convert the dataset"
+    )
 
 
 @dataclass(frozen=True)
@@ -63,6 +123,11 @@ class ShardFileWriter(ABC):
     def close(self) -> None:
         """Finish the file; after this it is complete on disk."""
 
+    def abandon(self) -> None:
+        """Release the file after a failure without finishing it (the caller deletes it)."""
+        with contextlib.suppress(Exception):  # the error that made us abandon is the one to report
+            self.close()
+
 
 class ShardReader(ABC):
     """Reads one shard. Opens lazily in the process that uses it, so it is safe to create in a
@@ -76,6 +141,8 @@ class ShardReader(ABC):
         self.fields = tuple(fields)
         self._handle: Any = None
         self._pid: int | None = None
+        for name in self.fields:
+            check_field_name(name)
 
     def __len__(self) -> int:
         return self.info.samples
@@ -93,17 +160,38 @@ class ShardReader(ABC):
         """
         if self._handle is None or self._pid != os.getpid():
             self._handle = None  # a handle inherited through fork is never used
-            self._check_size()
+            self._check_file()
             try:
                 self._handle = self._open()
+            except ShardCorruptError:
+                raise
             except Exception as exc:  # lmdb/h5py/tarfile errors, and _open's own ValueErrors
                 raise self.corrupt(f"cannot be opened ({exc})", index) from exc
             self._pid = os.getpid()
         return self._handle
 
-    def _check_size(self) -> None:
+    def check(self) -> None:
+        """Open the shard once, running every check done at open, and close it again.
+
+        Raises:
+            ShardCorruptError: the shard is missing, of the wrong size, or structurally not
+                what dlpipe writes (`UnsafeShardError` when it could read outside the folder).
+        """
         try:
-            size = storage.size(self.path)
+            self.handle()
+        finally:
+            self.close()
+
+    def _check_file(self) -> None:
+        """The shard is a regular file (not a link) of the manifest's size."""
+        try:
+            if storage.is_url(self.path):
+                size = storage.size(self.path)
+            else:
+                st = os.lstat(storage.local_path(self.path))
+                if not stat.S_ISREG(st.st_mode):
+                    raise _not_regular(self.path, _file_kind(st.st_mode))
+                size = st.st_size
         except FileNotFoundError:
             raise ShardCorruptError(
                 f"shard {self.path} is missing; the manifest lists it "
@@ -148,16 +236,28 @@ class ShardReader(ABC):
         raise TypeError(f"{type(self).__name__} is streaming-only; it has no random access")
 
     def make_sample(self, index: int, key: Any, fields: dict[str, Any]) -> Sample:
-        """Check what was read against the schema and return it as a sample."""
-        if not isinstance(key, str) or set(fields) != set(self.fields):
+        """Check what was read against the schema and the sample model; return it as a sample.
+
+        The key follows the key rule, every value is bytes, ``cls`` is a canonical ASCII integer
+        that fits in int64, and the fields are exactly the manifest's.
+        """
+        if set(fields) != set(self.fields):
             raise self.corrupt(
                 f"holds key {key!r} with fields {sorted(fields)}; expected {sorted(self.fields)}",
                 index,
             )
-        if not all(isinstance(v, bytes) for v in fields.values()):
-            raise self.corrupt("holds a field value that is not bytes", index)
+        if not all(type(v) is bytes for v in fields.values()):
+            raise self.corrupt(f"sample {key!r} holds a field value that is not bytes", index)
         sample: Sample = {KEY_FIELD: key}
         sample.update(fields)
+        try:
+            sample_fields(sample)
+        except (InvalidFieldError, ValueError) as exc:  # InvalidKeyError is a ValueError
+            raise self.corrupt(str(exc), index) from None
+        for name, value in fields.items():
+            long_cls = len(value) > 18 and name.rsplit(".", 1)[-1] == "cls"
+            if long_cls and not -_INT64_MAX - 1 <= int(value) <= _INT64_MAX:
+                raise self.corrupt(f"sample {key!r} cls {value[:40]!r} is beyond int64", index)
         return sample
 
 
@@ -225,7 +325,7 @@ class ShardBuilder:
 
     def abort(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            self._writer.abandon()
             self._writer = None
         if os.path.exists(self.tmp_path):
             os.remove(self.tmp_path)

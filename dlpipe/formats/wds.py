@@ -6,22 +6,36 @@ mode 0444, so shards are reproducible). Any
 tar reader and ``webdataset.WebDataset`` read them with no dlpipe code. Streaming only; reads
 from local paths and any fsspec URL.
 
-On read, a member that is not a plain file, or whose name holds a slash, ``..`` or starts at
-the root, is refused: a shard from an untrusted source cannot write outside its folder.
+On read a shard is untrusted input. Refused, each with a named error, before any data is read:
+a member that is not a plain file (link, folder, device), a name holding a slash, ``..`` or a
+leading ``/``; a GNU or pax *sparse* member (its holes would expand to any size), a pax global
+header, chained or oversized (over 64 KiB) pax and GNU long-name headers, and a member whose
+data runs past the end of the shard file. So a shard cannot point outside its folder, and a
+pass over it holds at most one member in memory, never more than the file's size.
 """
 
 from __future__ import annotations
 
+import os
 import tarfile
 from collections.abc import Generator, Iterator
 from typing import IO, Any
 
 from dlpipe import storage
 from dlpipe.errors import ShardCorruptError, UnsafeMemberError
-from dlpipe.formats.base import ShardFileWriter, ShardFormat, ShardReader
+from dlpipe.formats.base import ShardFileWriter, ShardFormat, ShardReader, open_regular_file
 from dlpipe.sample import Sample, check_field_name, check_key
 
 __all__ = ["WDS"]
+
+_MAX_EXTENDED_HEADER_BYTES = 64 << 10
+_EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME)
+_REFUSED_TYPES = {
+    tarfile.GNUTYPE_SPARSE: "a GNU sparse member",
+    tarfile.XGLTYPE: "a pax global header",
+    tarfile.SOLARIS_XHDTYPE: "a Solaris extended header",
+    tarfile.GNUTYPE_LONGLINK: "a GNU long link name",
+}
 
 
 class WdsWriter(ShardFileWriter):
@@ -63,6 +77,34 @@ def _header(name: str, size: int) -> bytes:
     return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict")
 
 
+class _RefusedHeader(Exception):
+    """Raised from inside tarfile's header parsing, before it reads what a header claims."""
+
+
+class _StrictTarInfo(tarfile.TarInfo):
+    """tarfile's member parser, refusing the header kinds dlpipe never writes before it reads
+    their data: tarfile would read a pax header of any claimed size into memory, recurse once
+    per chained extended header, and expand sparse members to their claimed size."""
+
+    def _proc_member(self, tarfile: Any) -> Any:
+        if self.type in _REFUSED_TYPES:
+            raise _RefusedHeader(f"header at byte {self.offset} is {_REFUSED_TYPES[self.type]}")
+        if self.type not in _EXTENDED_TYPES:
+            return super()._proc_member(tarfile)
+        if self.size > _MAX_EXTENDED_HEADER_BYTES:
+            raise _RefusedHeader(
+                f"extended header at byte {self.offset} claims {self.size} bytes "
+                f"(dlpipe caps them at {_MAX_EXTENDED_HEADER_BYTES})"
+            )
+        if getattr(tarfile, "_dlpipe_in_extended", False):
+            raise _RefusedHeader(f"extended header at byte {self.offset} follows another one")
+        tarfile._dlpipe_in_extended = True
+        try:
+            return super()._proc_member(tarfile)
+        finally:
+            tarfile._dlpipe_in_extended = False
+
+
 class WdsReader(ShardReader):
     def _open(self) -> Any:
         return None  # tar shards are opened per pass: a stream has no random access
@@ -72,26 +114,47 @@ class WdsReader(ShardReader):
 
     def iter_from(self, start: int) -> Generator[Sample, None, None]:
         """Samples from index `start` on; earlier members are seeked over, not read."""
-        self.handle()  # checks the size against the manifest
+        self.handle()  # checks the file and its size against the manifest
         index = start
         try:
-            with storage.open_read(self.path) as f, _open_tar(f) as tar:
+            with self._open_file() as f, _open_tar(f) as tar:
                 for key, fields in _group(tar, self, start):
                     yield self.make_sample(index, key, fields)
                     index += 1
         except ShardCorruptError:
             raise
-        except (tarfile.TarError, EOFError, OSError) as exc:
+        except _RefusedHeader as exc:
+            raise self.unsafe(f"{exc}; dlpipe never writes one and refuses it", index) from None
+        except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
             raise self.corrupt(f"is not a readable tar ({exc})", index) from exc
         if index != self.info.samples:
             raise self.corrupt(f"holds {index} samples but the manifest says {self.info.samples}")
 
+    def _open_file(self) -> IO[bytes]:
+        if storage.is_url(self.path):
+            return storage.open_read(self.path)
+        f = open_regular_file(storage.local_path(self.path))
+        if os.fstat(f.fileno()).st_size != self.info.bytes:
+            f.close()
+            raise self.corrupt("changed size while it was opened (replaced under the reader)")
+        return f
+
+    def unsafe(self, message: str, index: int | None = None) -> UnsafeMemberError:
+        """An `UnsafeMemberError` naming this shard (and the sample index, when known)."""
+        return UnsafeMemberError(str(self.corrupt(message, index)))
+
 
 def _open_tar(f: IO[bytes]) -> tarfile.TarFile:
     """Seekable files open in random-access mode, so skipped members are seeked over."""
-    if f.seekable():
-        return tarfile.open(fileobj=f, mode="r:")
-    return tarfile.open(fileobj=f, mode="r|")
+    mode = "r:" if f.seekable() else "r|"
+    return tarfile.open(fileobj=f, mode=mode, tarinfo=_StrictTarInfo)  # type: ignore[call-overload]
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """The members in order, keeping none: tarfile's own iteration lists every one it saw."""
+    while (member := tar.next()) is not None:
+        tar.members.clear()
+        yield member
 
 
 def _group(
@@ -101,14 +164,15 @@ def _group(
     key: str | None = None
     fields: dict[str, bytes] = {}
     index = -1
-    for member in tar:
+    for member in _members(tar):
+        _check_extent(member, reader, max(index, 0))
         name_key, field = _split_member(member, reader)
         if name_key != key:
             if key is not None and index >= skip:
                 yield key, fields
             key, fields, index = name_key, {}, index + 1
         if field in fields:
-            raise reader.corrupt(f"member {member.name!r} appears twice")
+            raise reader.corrupt(f"member {member.name!r} appears twice", index)
         if index < skip:
             fields[field] = b""
             continue
@@ -117,6 +181,22 @@ def _group(
         fields[field] = data.read()
     if key is not None and index >= skip:
         yield key, fields
+
+
+def _check_extent(member: tarfile.TarInfo, reader: WdsReader, index: int) -> None:
+    """A member is plain and its data lies inside the shard file, before any of it is read."""
+    if member.issparse() or any(k.startswith("GNU.sparse.") for k in member.pax_headers):
+        raise reader.unsafe(
+            f"member {member.name!r} is a sparse file (its holes expand to any size); dlpipe "
+            "never writes one and refuses it",
+            index,
+        )
+    if member.offset_data + member.size > reader.info.bytes:
+        raise reader.corrupt(
+            f"member {member.name!r} claims {member.size} bytes at byte {member.offset_data}, "
+            f"past the end of the {reader.info.bytes}-byte file",
+            index,
+        )
 
 
 def _split_member(member: tarfile.TarInfo, reader: WdsReader) -> tuple[str, str]:

@@ -1,0 +1,268 @@
+"""Shards someone else made are untrusted: crafted wds/hdf5/lmdb files get named errors.
+
+Each case builds the hostile bytes by hand (or edits a real dlpipe shard) and then writes a
+manifest that agrees with them (right sha256 and byte count), so only the formats' own checks
+stand between the file and the reader. Risky reads run in a forked child under an address-space
+limit and a timeout, so an unbounded read or a hang fails the test instead of the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import select
+import signal
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch.utils.data  # noqa: F401 (loaded before a child's address space is limited)
+from conftest import write_dataset
+from test_bad_input import first_shard, resync_manifest
+
+import dlpipe
+from dlpipe.cli import main
+from dlpipe.formats.base import UnsafeShardError
+
+TINY = [{"__key__": f"s{i}", "cls": str(i % 3).encode(), "txt": b"hello"} for i in range(4)]
+ADDRESS_SPACE_HEADROOM = 512 << 20
+
+
+def tiny_dataset(tmp_path: Path, fmt: str, samples: list[dict] = TINY) -> str:
+    return write_dataset(tmp_path / fmt, fmt, {"train": samples}, max_shard_samples=None)
+
+
+def read_all(path: str) -> list[dict]:
+    with dlpipe.open_dataset(path) as ds:
+        return list(ds)
+
+
+def in_bounded_child(
+    fn: Callable[[], object], *, headroom: int = ADDRESS_SPACE_HEADROOM, timeout_s: float = 20
+) -> str:
+    """Run `fn` in a forked child whose address space may grow by `headroom` bytes at most.
+
+    Returns ``"ok"`` or ``"<ExceptionType>: <message>"``; a hang past `timeout_s` or a death by
+    signal fails the test.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        try:
+            os.close(read_end)
+            vm_kib = next(
+                int(line.split()[1])
+                for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmSize:")
+            )
+            limit = vm_kib * 1024 + headroom
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            try:
+                fn()
+                outcome = "ok"
+            except BaseException as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            os.write(write_end, outcome.encode("utf-8", "replace")[:60000])
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], timeout_s)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the read hung for over {timeout_s} s")
+        chunks = []
+        while chunk := os.read(read_end, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        _, status = os.waitpid(pid, 0)
+    assert not os.WIFSIGNALED(status), f"the reader died of signal {os.WTERMSIG(status)}"
+    return b"".join(chunks).decode()
+
+
+# ---------------------------------------------------------------- a shard that is not a file
+
+
+@pytest.mark.parametrize("fmt", ["wds", "lmdb", "hdf5"])
+@pytest.mark.parametrize("kind", ["symlink-out", "symlink-dev-zero", "fifo", "folder"])
+def test_a_shard_that_is_not_a_regular_file_is_refused(fmt, kind, tmp_path) -> None:
+    path = tiny_dataset(tmp_path, fmt)
+    shard = first_shard(path)
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(shard.read_bytes())  # a valid shard, outside the dataset folder
+    shard.unlink()
+    if kind == "symlink-out":
+        shard.symlink_to(elsewhere)
+    elif kind == "symlink-dev-zero":
+        shard.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(shard)
+    else:
+        shard.mkdir()
+    outcome = in_bounded_child(lambda: read_all(path), timeout_s=10)
+    assert outcome.startswith("UnsafeShardError: ")
+    assert f"shard {shard} is a" in outcome and "not a regular file" in outcome
+    assert elsewhere.read_bytes()  # untouched
+
+
+def test_open_regular_file_refuses_a_link_swapped_in_after_the_check(tmp_path) -> None:
+    from dlpipe.formats.base import open_regular_file
+
+    target = tmp_path / "real.tar"
+    target.write_bytes(b"x")
+    link = tmp_path / "link.tar"
+    link.symlink_to(target)
+    with pytest.raises(UnsafeShardError, match="symbolic link"):
+        open_regular_file(str(link))
+    with open_regular_file(str(target)) as f:
+        assert f.read() == b"x"
+
+
+# ---------------------------------------------------------------- wds: crafted tar bytes
+
+
+def _checksum(header: bytearray) -> bytes:
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
+def tar_member(name: str, data: bytes, *, pax: dict[str, str] | None = None) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), 0o444
+    if pax:
+        info.pax_headers = pax
+    header = info.tobuf(tarfile.PAX_FORMAT if pax else tarfile.USTAR_FORMAT, "utf-8", "strict")
+    return header + data + b"\0" * (-len(data) % 512)
+
+
+def tar_end() -> bytes:
+    return b"\0" * 10240
+
+
+def good_members(start: int = 0) -> bytes:
+    return b"".join(
+        tar_member(f"{s['__key__']}.cls", s["cls"]) + tar_member(f"{s['__key__']}.txt", s["txt"])
+        for s in TINY[start:]
+    )
+
+
+def gnu_sparse_member(name: str, stored: bytes, claimed_bytes: int) -> bytes:
+    """A GNU 'S' member: `stored` on disk, expanding to `claimed_bytes` of holes on read."""
+    info = tarfile.TarInfo(name)
+    info.size = len(stored)
+    header = bytearray(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "strict"))
+    header[156:157] = tarfile.GNUTYPE_SPARSE
+    header[386:398] = b"%011o\0" % 0  # one data extent at offset 0 ...
+    header[398:410] = b"%011o\0" % len(stored)  # ... of the stored bytes
+    header[483:495] = b"%011o\0" % claimed_bytes  # the real size the holes expand to
+    return _checksum(header) + stored + b"\0" * (-len(stored) % 512)
+
+
+def extended_header(size: int, kind: bytes = tarfile.XHDTYPE) -> bytes:
+    """A pax 'x' (or global 'g') header whose size field claims `size` bytes of records."""
+    info = tarfile.TarInfo("PaxHeader")
+    info.type, info.size = kind, size
+    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+
+
+def size_past_the_end() -> bytes:
+    """Good members, the last one's size field raised to 1 GiB (checksum fixed)."""
+    body = bytearray(good_members())
+    last = len(body) - 1024  # the header of s3.txt
+    header = bytearray(body[last : last + 512])
+    header[124:136] = b"%011o\0" % (1 << 30)
+    body[last : last + 512] = _checksum(header)
+    return bytes(body) + tar_end()
+
+
+SPARSE_CLAIM = 3 << 30  # 3 GiB of holes from a ~10 KB file
+
+WDS_HOSTILE = {
+    "gnu-sparse": (
+        good_members(1) + gnu_sparse_member("s0.cls", b"0", SPARSE_CLAIM) + tar_end(),
+        "UnsafeMemberError",
+        "GNU sparse member",
+    ),
+    "pax-sparse-1.0": (
+        tar_member(
+            "s0.cls",
+            b"1\n0\n1\n".ljust(512, b"\0") + b"0",
+            pax={
+                "GNU.sparse.major": "1",
+                "GNU.sparse.minor": "0",
+                "GNU.sparse.name": "s0.cls",
+                "GNU.sparse.realsize": str(SPARSE_CLAIM),
+            },
+        )
+        + tar_end(),
+        "UnsafeMemberError",
+        "sparse file",
+    ),
+    "pax-sparse-0.1": (
+        tar_member(
+            "s0.cls",
+            b"0",
+            pax={"GNU.sparse.map": "0,1", "GNU.sparse.size": str(SPARSE_CLAIM)},
+        )
+        + tar_end(),
+        "UnsafeMemberError",
+        "sparse file",
+    ),
+    "pax-header-claims-1-GiB": (
+        extended_header(1 << 30) + good_members() + tar_end(),
+        "UnsafeMemberError",
+        "claims 1073741824 bytes",
+    ),
+    "chained-pax-headers": (
+        b"".join(tar_member("x.cls", b"", pax={"comment": "a"})[:1024] for _ in range(1200))
+        + good_members()
+        + tar_end(),
+        "UnsafeMemberError",
+        "follows another one",
+    ),
+    "pax-global-header": (
+        extended_header(0, tarfile.XGLTYPE) + good_members() + tar_end(),
+        "UnsafeMemberError",
+        "pax global header",
+    ),
+    "member-size-past-the-end": (
+        size_past_the_end(),
+        "ShardCorruptError",
+        "past the end of the",
+    ),
+    "duplicate-member": (
+        tar_member("s0.cls", b"0") + tar_member("s0.cls", b"0") + good_members(1) + tar_end(),
+        "ShardCorruptError",
+        "appears twice",
+    ),
+    "truncated-in-data": (good_members()[:-300], "ShardCorruptError", "not a readable tar"),
+    "truncated-in-header": (good_members()[:-700], "ShardCorruptError", "expected ['cls', 'txt']"),
+    "not-a-tar": (b"\x7fELF" + b"\1" * 3000, "ShardCorruptError", "not a readable tar"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WDS_HOSTILE))
+def test_crafted_tar_is_refused_with_bounded_memory(case, tmp_path) -> None:
+    body, error, message = WDS_HOSTILE[case]
+    path = tiny_dataset(tmp_path, "wds")
+    shard = first_shard(path)
+    shard.write_bytes(body)
+    resync_manifest(path)
+    assert len(body) < 2 << 20
+    outcome = in_bounded_child(lambda: read_all(path))
+    assert outcome.startswith(f"{error}: shard {shard}"), outcome
+    assert message in outcome
+    assert "Traceback" not in outcome
+
+
+def test_a_crafted_tar_through_the_cli_is_one_error_line(tmp_path, capsys) -> None:
+    path = tiny_dataset(tmp_path, "wds")
+    first_shard(path).write_bytes(WDS_HOSTILE["gnu-sparse"][0])
+    resync_manifest(path)
+    assert main(["verify", path, "--decode"]) == 1
+    captured = capsys.readouterr()
+    assert "sparse" in captured.out + captured.err
+    assert "Traceback" not in captured.out + captured.err
