@@ -8,37 +8,41 @@ fields ``jpg``, ``json``, ``cls``). An optional ``split`` top folder (``root/tra
 Produces one sample per group: the image file (if any, by image suffix) as the image, every
 other file as the field its extension names, lower-cased (``0001.JSON`` → ``json``). A ``cls``
 file is the label (ASCII decimal); ``classes.txt`` at the root, one name per line, names them.
-The key is the group's path relative to its split folder, escaped by the key rule.
+The key is the group's path relative to its split folder, escaped by the key rule (shortened
+by `dlpipe.sample.make_key` when too long; the item's ``original`` keeps the full name).
+
+Read as every source reads a raw folder (`dlpipe.converters.source`): regular files only,
+hidden and OS/tool names skipped, file links followed only inside the root, folder links not
+followed; special files and links out are listed as skipped entries in the scan description.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import defaultdict
 
 from dlpipe.converters.source import (
     SPLIT_NAMES,
     Item,
+    RawEntry,
+    RawTree,
     SampleError,
     Scan,
     Source,
     SourceError,
+    display_path,
     image_kind_of_name,
     read_file,
 )
-from dlpipe.sample import check_field_name, escape_key
+from dlpipe.errors import InvalidFieldError
+from dlpipe.sample import check_field_name, make_key
 
 __all__ = ["FilesSource"]
 
 _CLASSES_FILE = "classes.txt"
-
-
-def _walk(folder: str) -> list[str]:
-    paths = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
-    return paths
+_MAX_CLASSES_BYTES = 64 << 20
+_MAX_LABEL_BYTES = 4096
 
 
 class FilesSource(Source):
@@ -50,24 +54,29 @@ class FilesSource(Source):
         if not os.path.isdir(root):
             return False
         stems: dict[str, set[str]] = defaultdict(set)
-        for path in _walk(root)[:2000]:
-            stem, _, ext = os.path.basename(path).partition(".")
-            stems[os.path.join(os.path.dirname(path), stem)].add(ext)
+        try:
+            for entry in itertools.islice(RawTree(root).files(root), 2000):
+                stem, _, ext = entry.name.partition(".")
+                stems[os.path.join(os.path.dirname(entry.path), stem)].add(ext)
+        except SourceError:
+            return False
         return bool(stems) and sum(len(e) > 1 for e in stems.values()) > len(stems) // 2
 
-    def _split_folders(self) -> dict[str | None, str]:
-        subdirs = [d for d in sorted(os.listdir(self.root)) if d in SPLIT_NAMES]
-        if subdirs and all(os.path.isdir(os.path.join(self.root, d)) for d in subdirs):
-            return {SPLIT_NAMES[d]: os.path.join(self.root, d) for d in subdirs}
+    def _split_folders(self, tree: RawTree) -> dict[str | None, str]:
+        entries = {e.name: e for e in tree.listing(self.root)}
+        subdirs = [d for d in sorted(entries) if d in SPLIT_NAMES]
+        if subdirs and all(entries[d].is_dir for d in subdirs):
+            return {SPLIT_NAMES[d]: entries[d].path for d in subdirs}
         return {None: self.root}
 
     def scan(self) -> Scan:
+        tree = RawTree(self.root)
         classes = self._classes()
         items: list[Item] = []
-        for split, folder in self._split_folders().items():
-            items += self._scan_split(split, folder)
+        for split, folder in self._split_folders(tree).items():
+            items += self._scan_split(tree, split, folder)
         if not items:
-            raise SourceError(f"{self.root}: no files to group into samples")
+            raise SourceError(f"{display_path(self.root)}: no files to group into samples")
         fields = {
             tuple(sorted(item.ref)) + (("cls",) if item.label is not None else ()) for item in items
         }
@@ -77,54 +86,75 @@ class FilesSource(Source):
                 f"{self.root}: samples carry different fields ({shapes}); every sample needs "
                 "the same files (add the missing ones or remove the extra)"
             )
-        return Scan(
-            classes=classes, items=tuple(items), description={"kind": self.kind, "root": self.root}
-        )
+        description = {"kind": self.kind, "root": display_path(self.root), **tree.report()}
+        return Scan(classes=classes, items=tuple(items), description=description)
 
     def _classes(self) -> tuple[str, ...]:
         path = os.path.join(self.root, _CLASSES_FILE)
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             return ()
-        with open(path, encoding="utf-8") as f:
-            return tuple(line.strip() for line in f if line.strip())
+        try:
+            text = read_file(path, self.raw_folder, max_bytes=_MAX_CLASSES_BYTES).decode("utf-8")
+        except (SampleError, UnicodeDecodeError) as exc:
+            raise SourceError(
+                f"{display_path(path)}: cannot be read as a UTF-8 list of class names ({exc}); "
+                "fix or remove it"
+            ) from exc
+        return tuple(line.strip() for line in text.splitlines() if line.strip())
 
-    def _scan_split(self, split: str | None, folder: str) -> list[Item]:
-        groups: dict[str, dict[str, str]] = defaultdict(dict)
-        for path in _walk(folder):
-            rel = os.path.relpath(path, folder).replace(os.sep, "/")
+    def _scan_split(self, tree: RawTree, split: str | None, folder: str) -> list[Item]:
+        groups: dict[str, dict[str, RawEntry]] = defaultdict(dict)
+        for entry in tree.files(folder):
+            rel = os.path.relpath(entry.path, folder).replace(os.sep, "/")
             if rel == _CLASSES_FILE:
                 continue
             head, _, name = rel.rpartition("/")
             stem, _, ext = name.partition(".")
             field = "image" if image_kind_of_name(name) else ext.lower()
-            check_field_name(field)
+            try:
+                check_field_name(field)
+            except InvalidFieldError as exc:
+                raise SourceError(
+                    f"{display_path(entry.path)}: its extension {ext!r} cannot name a field "
+                    f"({exc}); rename or remove the file"
+                ) from exc
             group = groups[f"{head}/{stem}" if head else stem]
             if field in group:
-                raise SourceError(f"{path}: a second image for sample {stem!r} ({group[field]})")
-            group[field] = path
+                raise SourceError(
+                    f"{display_path(entry.path)}: a second image for sample "
+                    f"{display_path(stem)!r} ({display_path(group[field].path)})"
+                )
+            group[field] = entry
         return [self._item(split, key, files) for key, files in sorted(groups.items())]
 
-    def _item(self, split: str | None, key: str, files: dict[str, str]) -> Item:
-        label = None
-        if "cls" in files:
-            text = read_file(files["cls"]).decode("ascii", "replace").strip()
-            if not text.lstrip("-").isdigit():
-                raise SourceError(f"{files['cls']}: label {text!r} is not an integer")
-            label = int(text)
-        kind = image_kind_of_name(files["image"]) if "image" in files else None
-        fields = {f: p for f, p in files.items() if f != "cls"}
+    def _label(self, entry: RawEntry) -> int:
+        try:
+            raw = read_file(entry.path, self.raw_folder, max_bytes=_MAX_LABEL_BYTES)
+        except SampleError as exc:
+            raise SourceError(f"{exc}; fix or remove the label file") from exc
+        text = raw.decode("ascii", "replace").strip()
+        if not text.lstrip("-").isdigit():
+            raise SourceError(f"{display_path(entry.path)}: label {text!r} is not an integer")
+        return int(text)
+
+    def _item(self, split: str | None, key: str, files: dict[str, RawEntry]) -> Item:
+        label = self._label(files["cls"]) if "cls" in files else None
+        kind = image_kind_of_name(files["image"].name) if "image" in files else None
+        fields = {f: e for f, e in files.items() if f != "cls"}
+        made, shortened = make_key(key)
         return Item(
-            key=escape_key(key),
+            key=made,
             label=label,
             split=split,
-            ref=fields,
-            size=sum(os.stat(p).st_size for p in fields.values()),
+            ref={f: e.path for f, e in fields.items()},
+            size=sum(e.size for e in fields.values()),
             image_kind=kind,
-            origin=next(iter(fields.values()), key),
+            origin=display_path(next(iter(fields.values())).path) if fields else key,
+            original=display_path(key) if shortened else None,
         )
 
     def load(self, item: Item) -> dict[str, bytes]:
-        fields = {name: read_file(path) for name, path in item.ref.items()}
+        fields = {name: read_file(path, self.raw_folder) for name, path in item.ref.items()}
         if not fields:
             raise SampleError(f"{item.origin}: sample {item.key!r} has no fields besides cls")
         return fields

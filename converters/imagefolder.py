@@ -2,13 +2,22 @@
 
 Layout: ``root/<class>/**/<image>``; or, when ``root/train/`` exists beside ``root/val/``,
 ``root/validation/`` or ``root/test/``, one such tree per split (``validation`` is named
-``val``). Images are files with an image suffix (``.jpg .jpeg .png .webp .bmp .gif .tif .tiff
-.ppm .pgm``, any case); hidden files and folders are skipped, other files are counted and
-ignored. Class index = position in the sorted class names, the same in every split.
+``val``). Images are regular files with an image suffix (``.jpg .jpeg .png .webp .bmp .gif
+.tif .tiff .ppm .pgm``, any case); other files are counted and ignored. Class index = position
+in the sorted class names, the same in every split.
+
+Not classes, never read: hidden and OS/tool folders (``.git``, ``__MACOSX``, ``@eaDir``, ... see
+`dlpipe.converters.source`), a folder holding a prepared dataset (``dlpipe.json``), links to
+folders, and special files (FIFOs, sockets, devices) or links out of the raw folder, which are
+listed in the scan description as skipped entries. A class folder without one image is refused
+(it would be a label with no samples, usually a mistake such as an unpacked archive's leftover);
+``SourceOptions(keep_empty_classes=True)`` keeps it, with a warning.
 
 Produces one sample per image: the image and ``cls``. The key is the image's path relative to
 its split folder, without the suffix, escaped by the key rule (``cat/001.jpg`` →
-``cat%2F001``), so equal file names in different classes never collide.
+``cat%2F001``), so equal file names in different classes never collide; a path too long for a
+key is shortened by `dlpipe.sample.make_key`, and the item's ``original`` keeps the full path.
+Names that are not UTF-8 keep their bytes in the key (``caf%E9``) and are shown with ``\\xNN``.
 """
 
 from __future__ import annotations
@@ -18,23 +27,31 @@ import os
 from dlpipe.converters.source import (
     SPLIT_NAMES,
     Item,
+    RawEntry,
+    RawTree,
     Scan,
     Source,
     SourceError,
+    display_path,
     image_kind_of_name,
+    log,
     read_file,
 )
-from dlpipe.sample import escape_key
+from dlpipe.manifest import MANIFEST_NAME
+from dlpipe.sample import make_key
 
 __all__ = ["ImageFolderSource"]
 
 
-def _visible(names: list[str]) -> list[str]:
-    return sorted(n for n in names if not n.startswith("."))
-
-
-def _class_dirs(folder: str) -> list[str]:
-    return [n for n in _visible(os.listdir(folder)) if os.path.isdir(os.path.join(folder, n))]
+def _class_folders(tree: RawTree, folder: str) -> list[RawEntry]:
+    """The class folders of `folder`: its visible real folders that are not datasets."""
+    found = []
+    for entry in tree.folders(folder):
+        if os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)):
+            tree.skip(entry.path, f"a prepared dataset ({MANIFEST_NAME}), not a class")
+        else:
+            found.append(entry)
+    return found
 
 
 class ImageFolderSource(Source):
@@ -42,63 +59,95 @@ class ImageFolderSource(Source):
 
     @classmethod
     def detect(cls, root: str) -> bool:
-        return os.path.isdir(root) and bool(_class_dirs(root))
+        if not os.path.isdir(root):
+            return False
+        try:
+            return bool(_class_folders(RawTree(root), root))
+        except SourceError:
+            return False
 
-    def split_roots(self) -> dict[str | None, str]:
+    def split_roots(self, tree: RawTree | None = None) -> dict[str | None, str]:
         """Split name → folder; ``{None: root}`` when the root is one class tree."""
-        subdirs = set(_class_dirs(self.root))
+        subdirs = {e.name: e for e in _class_folders(tree or RawTree(self.root), self.root)}
         named = {SPLIT_NAMES[d]: d for d in sorted(subdirs) if d in SPLIT_NAMES}
         if "train" in named and len(named) > 1:
-            return {split: os.path.join(self.root, d) for split, d in named.items()}
+            return {split: subdirs[d].path for split, d in named.items()}
         return {None: self.root}
 
     def scan(self) -> Scan:
-        roots = self.split_roots()
-        classes = sorted({c for folder in roots.values() for c in _class_dirs(folder)})
+        tree = RawTree(self.root)
+        roots = self.split_roots(tree)
+        tops = {split: _class_folders(tree, folder) for split, folder in roots.items()}
+        classes = sorted({
+            display_path(e.name) for entries in tops.values() for e in entries
+        })  # fmt: skip
         if not classes:
-            raise SourceError(f"{self.root}: no class folders (expected root/<class>/<image>)")
+            raise SourceError(
+                f"{display_path(self.root)}: no class folders (expected root/<class>/<image>)"
+            )
         index = {name: i for i, name in enumerate(classes)}
         items: list[Item] = []
         ignored = 0
-        for split, folder in roots.items():
-            for cls_name in _class_dirs(folder):
-                found, skipped = self._scan_class(folder, cls_name, index[cls_name], split)
+        for split, entries in tops.items():
+            for entry in entries:
+                if not tree.claim(entry):
+                    continue
+                label = index[display_path(entry.name)]
+                found, skipped = self._scan_class(tree, roots[split], entry, label, split)
                 items += found
                 ignored += skipped
+        self._check_empty(classes, {it.label for it in items}, tops)
         if not items:
             raise SourceError(
-                f"{self.root}: the class folders hold no images (suffixes: .jpg .png .webp ...)"
+                f"{display_path(self.root)}: the class folders hold no images "
+                "(suffixes: .jpg .png .webp ...)"
             )
-        description = {"kind": self.kind, "root": self.root, "ignored_files": ignored}
+        description = {
+            "kind": self.kind,
+            "root": display_path(self.root),
+            "ignored_files": ignored,
+            **tree.report(),
+        }
         return Scan(classes=tuple(classes), items=tuple(items), description=description)
 
+    def _check_empty(
+        self, classes: list[str], used: set[int | None], tops: dict[str | None, list[RawEntry]]
+    ) -> None:
+        """Refuse (or, when kept, warn about) class folders holding no image in any split."""
+        empty = [name for i, name in enumerate(classes) if i not in used]
+        if not empty:
+            return
+        folders = sorted(
+            display_path(e.path) for entries in tops.values() for e in entries
+            if display_path(e.name) in empty
+        )  # fmt: skip
+        more = f" and {len(folders) - 5} more" if len(folders) > 5 else ""
+        shown = ", ".join(folders[:5]) + more
+        if self.options.keep_empty_classes:
+            log.warning("kept %d class folders with no images as classes: %s", len(empty), shown)
+            return
+        raise SourceError(
+            f"{shown}: {len(empty)} class folders hold no images, so their labels would have no "
+            "samples; remove them, or pass --keep-empty-classes to keep them as classes"
+        )
+
+    @staticmethod
     def _scan_class(
-        self, folder: str, cls_name: str, label: int, split: str | None
+        tree: RawTree, split_folder: str, top: RawEntry, label: int, split: str | None
     ) -> tuple[list[Item], int]:
-        items, ignored = [], 0
-        top = os.path.join(folder, cls_name)
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames[:] = _visible(dirnames)
-            for name in _visible(filenames):
-                path = os.path.join(dirpath, name)
-                kind = image_kind_of_name(name)
-                if kind is None:
-                    ignored += 1
-                    continue
-                rel = os.path.splitext(os.path.relpath(path, folder))[0]
-                size = os.stat(path).st_size
-                items.append(
-                    Item(
-                        key=escape_key(rel.replace(os.sep, "/")),
-                        label=label,
-                        split=split,
-                        ref=path,
-                        size=size,
-                        image_kind=kind,
-                        origin=path,
-                    )
-                )
+        items: list[Item] = []
+        ignored = 0
+        for entry in tree.files(top.path):
+            kind = image_kind_of_name(entry.name)
+            if kind is None:
+                ignored += 1
+                continue
+            rel = os.path.relpath(entry.path, split_folder).replace(os.sep, "/")
+            key, shortened = make_key(os.path.splitext(rel)[0])
+            original = display_path(rel) if shortened else None
+            origin = display_path(entry.path)
+            items.append(Item(key, label, split, entry.path, entry.size, kind, origin, original))
         return items, ignored
 
     def load(self, item: Item) -> dict[str, bytes]:
-        return {"image": read_file(item.ref)}
+        return {"image": read_file(item.ref, self.raw_folder)}

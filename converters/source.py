@@ -15,30 +15,63 @@ A source module (imagefolder, table, files, cifar, mnist, ...) subclasses `Sourc
 
 Sources are pickled into worker processes (local pool or Ray): keep their state small and
 open files lazily.
+
+**What a source reads** (a raw folder is untrusted input; the rule every source follows):
+
+- Only regular files. A FIFO, socket or device (even one named ``x.jpg``) is never opened by
+  the scan and never read; it is one skipped entry, counted and listed (with its reason) in
+  the scan description under ``skipped_entries`` and logged as a warning. Files are opened
+  with ``O_NONBLOCK`` and read up to the size ``fstat`` gives, never to end of stream.
+- Nothing outside the raw folder. A link to a file is followed only when its real path lies
+  inside the raw folder's real path; a link out of it (``-> /dev/zero``, ``-> ~/secret.jpg``),
+  a dangling link and a link loop are each one skipped entry. Links to folders are never
+  followed (each is one skipped entry): inside the raw folder they could only scan a folder
+  twice (``cat/loop -> ..``, ``dog -> cat``), outside it they leave it. Each real folder is
+  scanned once (by device and inode), so even a bind-mount loop ends.
+- No OS or tool folders: hidden names (a leading dot: ``.git``, ``.DS_Store``, AppleDouble
+  ``._*``, ``.Trash-1000``) and the names in `IGNORED_NAMES` (``__MACOSX``, ``@eaDir``,
+  ``Thumbs.db``, ``$RECYCLE.BIN``, ...) are never classes, samples or tables.
+- Any file name: names that are not UTF-8 are kept as their bytes in keys (``%XX``) and shown
+  with ``\\xNN`` escapes in messages, class names and the manifest (`display_path`).
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import logging
 import os
+import stat
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 from dlpipe.errors import DlpipeError
 
 __all__ = [
+    "IGNORED_NAMES",
     "IMAGE_SUFFIXES",
     "SPLIT_NAMES",
     "Item",
+    "RawEntry",
+    "RawTree",
     "SampleError",
     "Scan",
     "Source",
     "SourceError",
     "SourceOptions",
+    "display_path",
+    "file_problem",
     "image_kind_of_bytes",
     "image_kind_of_name",
+    "is_ignored_name",
+    "is_inside",
+    "open_regular",
     "read_file",
 ]
+
+log = logging.getLogger("dlpipe")
 
 SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
 """Folder, file or column names that mean a split → the split's name in the dataset."""
@@ -46,6 +79,24 @@ SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "tes
 IMAGE_SUFFIXES = frozenset(
     {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
 )
+
+IGNORED_NAMES = frozenset(
+    {
+        "__macosx",  # zip archives made on macOS
+        "@eadir",  # Synology thumbnails
+        "__pycache__",
+        "$recycle.bin",
+        "system volume information",
+        "lost+found",
+        "thumbs.db",
+        "ehthumbs.db",
+        "desktop.ini",
+        "icon\r",
+    }
+)
+"""OS and tool names (compared lower-case) that are never classes, samples or tables; names
+with a leading dot (``.git``, ``.svn``, ``.hg``, ``.ipynb_checkpoints``, ``.DS_Store``, ``._*``,
+``.Trash-*``) are skipped too (`is_ignored_name`)."""
 
 
 class SourceError(DlpipeError, ValueError):
@@ -97,6 +148,8 @@ class SourceOptions:
 
     image_col: str | None = None
     label_col: str | None = None
+    keep_empty_classes: bool = False
+    """Keep class folders that hold no image as classes with no samples (else refused)."""
 
 
 class Source(ABC):
@@ -107,6 +160,12 @@ class Source(ABC):
     def __init__(self, root: str, options: SourceOptions | None = None) -> None:
         self.root = os.path.abspath(root)
         self.options = options or SourceOptions()
+
+    @functools.cached_property
+    def raw_folder(self) -> str:
+        """The real path of the folder nothing is read outside of (a table file's folder)."""
+        real = os.path.realpath(self.root)
+        return real if os.path.isdir(real) else os.path.dirname(real)
 
     @classmethod
     @abstractmethod
@@ -125,13 +184,232 @@ class Source(ABC):
         return f"{type(self).__name__}({self.root!r})"
 
 
-def read_file(path: str) -> bytes:
-    """A raw file's bytes; an unreadable file is a `SampleError` naming it."""
+def display_path(path: str) -> str:
+    """`path` as printable, JSON-safe text: bytes that are not UTF-8 shown as ``\\xNN``."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return os.fsencode(path).decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def is_ignored_name(name: str) -> bool:
+    """True for hidden names and the OS/tool names of `IGNORED_NAMES`."""
+    return name.startswith(".") or name.lower() in IGNORED_NAMES
+
+
+def is_inside(real: str, folder: str) -> bool:
+    """True when the real path `real` is `folder` (a real path) or lies below it."""
+    return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _kind_of_mode(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a folder"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _link_problem(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "a symbolic link loop"
+    if exc.errno == errno.ENOENT:
+        return "a dangling symbolic link"
+    return f"a link that cannot be followed ({exc.strerror or exc})"
+
+
+def file_problem(path: str, folder: str) -> str | None:
+    """Why `path` is no regular file inside the real folder `folder`; None when it is one.
+
+    Checked without opening the file: a FIFO, a device or a link out of the folder is named.
+    """
+    real = os.path.realpath(path)
+    if not is_inside(real, folder):
+        return f"a link to {display_path(real)}, outside the raw folder {display_path(folder)}"
+    try:
+        mode = os.stat(real).st_mode
     except OSError as exc:
-        raise SampleError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        return _link_problem(exc) if os.path.islink(path) else (exc.strerror or str(exc))
+    return None if stat.S_ISREG(mode) else _kind_of_mode(mode)
+
+
+def open_regular(path: str, folder: str | None = None) -> BinaryIO:
+    """Open a raw file for reading, refusing anything but a regular file (inside `folder`).
+
+    The open cannot hang (``O_NONBLOCK``: a FIFO opens at once and is then refused) and, when
+    `folder` is given, follows no link out of it: the real path is checked, then opened with
+    ``O_NOFOLLOW``.
+
+    Raises:
+        SampleError: the file is missing, unreadable, outside `folder` or not a regular file.
+    """
+    target, flags = path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if folder is not None:
+        target, flags = os.path.realpath(path), flags | getattr(os, "O_NOFOLLOW", 0)
+        if not is_inside(target, folder):
+            raise SampleError(
+                f"{display_path(path)}: is {file_problem(path, folder)}; dlpipe reads only "
+                "files inside the raw folder (copy the file in, or give a folder above both)"
+            )
+    try:
+        fd = os.open(target, flags)
+    except OSError as exc:
+        reason = _link_problem(exc) if os.path.islink(target) else exc.strerror or exc
+        raise SampleError(f"{display_path(path)}: cannot be read ({reason})") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SampleError(
+            f"{display_path(path)}: is {_kind_of_mode(mode)}; dlpipe reads only regular files "
+            "(replace it with the file itself, or remove it)"
+        )
+    return os.fdopen(fd, "rb")
+
+
+def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = None) -> bytes:
+    """A raw regular file's bytes, read up to its size on disk (see `open_regular`).
+
+    Args:
+        path: the file.
+        folder: the real raw folder the file must lie in (links out of it are refused).
+        max_bytes: refuse a larger file (a label file, a class list).
+
+    Raises:
+        SampleError: the file cannot be read, is not a regular file, lies outside `folder`,
+            or is over `max_bytes`.
+    """
+    with open_regular(path, folder) as f:
+        size = os.fstat(f.fileno()).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise SampleError(
+                f"{display_path(path)}: {size} bytes, over the {max_bytes}-byte limit for "
+                "this kind of file"
+            )
+        try:
+            return f.read(size)
+        except OSError as exc:
+            raise SampleError(
+                f"{display_path(path)}: cannot be read ({exc.strerror or exc})"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class RawEntry:
+    """A regular file or a real folder found in a raw folder (any link already checked)."""
+
+    name: str
+    path: str  # as found: a link's own path for a followed file link
+    is_dir: bool
+    size: int
+    ident: tuple[int, int]  # (st_dev, st_ino) of the file or folder itself
+
+
+_MAX_EXAMPLES = 20
+
+
+class RawTree:
+    """Lists a raw folder by the rule in the module docstring, recording every skipped entry."""
+
+    def __init__(self, root: str) -> None:
+        self.folder = os.path.realpath(root)
+        self.skipped: dict[str, str] = {}  # shown path -> reason, in the order found
+        info = os.stat(self.folder)
+        self._seen: set[tuple[int, int]] = {(info.st_dev, info.st_ino)}
+
+    def skip(self, path: str, reason: str) -> None:
+        """Record one entry that is not read, and why."""
+        self.skipped.setdefault(display_path(path), reason)
+
+    def listing(self, folder: str) -> list[RawEntry]:
+        """The visible regular files and real folders of `folder`, sorted by name.
+
+        Raises:
+            SourceError: `folder` cannot be listed (a class would silently lose its images).
+        """
+        try:
+            with os.scandir(folder) as it:
+                found = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            raise SourceError(
+                f"{display_path(folder)}: cannot be listed ({exc.strerror or exc}); fix its "
+                "permissions or remove it"
+            ) from exc
+        entries = (self._entry(e) for e in found if not is_ignored_name(e.name))
+        return [e for e in entries if e is not None]
+
+    def _entry(self, entry: os.DirEntry[str]) -> RawEntry | None:
+        try:
+            if entry.is_symlink():
+                return self._link(entry)
+            info = entry.stat(follow_symlinks=False)
+        except OSError as exc:
+            self.skip(entry.path, f"cannot be read ({exc.strerror or exc})")
+            return None
+        if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
+            self.skip(entry.path, _kind_of_mode(info.st_mode))
+            return None
+        ident = (info.st_dev, info.st_ino)
+        return RawEntry(entry.name, entry.path, stat.S_ISDIR(info.st_mode), info.st_size, ident)
+
+    def _link(self, entry: os.DirEntry[str]) -> RawEntry | None:
+        problem = file_problem(entry.path, self.folder)
+        if problem == "a folder":
+            problem = "a link to a folder (folder links are not followed)"
+        if problem is not None:
+            self.skip(entry.path, problem)
+            return None
+        try:
+            info = os.stat(entry.path)
+        except OSError as exc:  # replaced since the check
+            self.skip(entry.path, f"cannot be read ({exc.strerror or exc})")
+            return None
+        return RawEntry(entry.name, entry.path, False, info.st_size, (info.st_dev, info.st_ino))
+
+    def claim(self, folder: RawEntry) -> bool:
+        """Mark a real folder as scanned; False (one skipped entry) when it already was."""
+        if folder.ident in self._seen:
+            self.skip(folder.path, "a second name for a folder already scanned (a mount loop)")
+            return False
+        self._seen.add(folder.ident)
+        return True
+
+    def folders(self, folder: str) -> list[RawEntry]:
+        """The visible real folders of `folder`, sorted (files in it are not looked at)."""
+        return [e for e in self.listing(folder) if e.is_dir]
+
+    def files(self, top: str) -> Iterator[RawEntry]:
+        """Every regular file below the folder `top`, each real folder once, sorted per folder."""
+        stack = [top]
+        while stack:
+            folder = stack.pop()
+            subfolders = []
+            for entry in self.listing(folder):
+                if not entry.is_dir:
+                    yield entry
+                elif self.claim(entry):
+                    subfolders.append(entry.path)
+            stack.extend(reversed(subfolders))
+
+    def report(self) -> dict[str, Any]:
+        """The skipped entries for a scan description (count and the first 20), logged once."""
+        skipped = list(self.skipped.items())
+        if skipped:
+            shown = "; ".join(f"{path} ({why})" for path, why in skipped[:3])
+            more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+            log.warning(
+                "%s: skipped %d entries that are not regular files inside the raw folder: %s%s",
+                display_path(self.folder),
+                len(skipped),
+                shown,
+                more,
+            )
+        examples = [{"path": p, "reason": r} for p, r in skipped[:_MAX_EXAMPLES]]
+        return {"skipped_entries": len(skipped), "skipped_examples": examples}
 
 
 def image_kind_of_bytes(data: bytes) -> str:

@@ -11,11 +11,24 @@ field bytes, so a sample's checksum does not depend on the format.
 escape ``%XX`` (two upper-case hex digits). Keys never hold dots, slashes or spaces, so
 ``{key}.{field}`` is always one safe tar member name and WebDataset splits it back at the first
 dot. `escape_key` turns any string (a relative path, a file stem) into a valid key by writing
-each UTF-8 byte outside ``A-Z a-z 0-9 _ -`` as ``%XX``; `unescape_key` inverts it.
+each UTF-8 byte outside ``A-Z a-z 0-9 _ -`` as ``%XX``; `unescape_key` inverts it. A file name
+that is not UTF-8 (an ``os.fsdecode`` string with surrogate escapes) keeps its raw bytes:
+``b"caf\\xe9"`` becomes ``caf%E9``.
+
+**Shortened keys.** `make_key` gives a valid key for any non-empty text. When the escaped text
+is longer than 200 characters (a deep path, or about 23 CJK characters, which escape to 9
+characters each), the key is the longest prefix of the escaped text that ends on a character
+boundary and fits in 181 characters, then ``%2D``, then the first 16 hex digits of the SHA-256
+of the text's bytes: ``<prefix>%2D<16 hex>``, exactly 200 characters at most. ``%2D`` is an
+escaped ``-``, which `escape_key` never writes (``-`` is a safe byte), so a shortened key can
+never equal an unshortened one, and two names share a shortened key only if their SHA-256
+prefixes collide. The key is stable across runs and machines; `unescape_key` turns it into the
+readable prefix, ``-`` and the hash, and the converter records the full name beside it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 
@@ -28,6 +41,7 @@ __all__ = [
     "check_field_name",
     "check_key",
     "escape_key",
+    "make_key",
     "sample_fields",
     "unescape_key",
 ]
@@ -42,27 +56,75 @@ _KEY_RE = re.compile(r"(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+")
 _SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _FIELD_RE = re.compile(r"[a-z0-9][a-z0-9_]*(?:\.[a-z0-9][a-z0-9_]*)*")
 _CLS_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)")
+_SHORT_MARK = "%2D"  # an escaped "-": escape_key never writes it, so it marks a shortened key
+_HASH_DIGITS = 16
+
+
+def _text_bytes(text: str) -> bytes:
+    """`text` as UTF-8; surrogate escapes (undecodable file-name bytes) become their raw bytes."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that no file name decodes to
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _escape(text: str) -> str:
+    return "".join(chr(b) if b in _SAFE_BYTES else f"%{b:02X}" for b in _text_bytes(text))
 
 
 def escape_key(text: str) -> str:
     """Return `text` as a valid key, escaping every unsafe UTF-8 byte as ``%XX``.
 
     ``escape_key("cats/img.001")`` is ``"cats%2Fimg%2E001"``.
+
+    Raises:
+        InvalidKeyError: `text` is empty or escapes to more than 200 characters (use
+            `make_key` to shorten it instead).
     """
-    out = []
-    for byte in text.encode("utf-8"):
-        out.append(chr(byte) if byte in _SAFE_BYTES else f"%{byte:02X}")
-    key = "".join(out)
+    key = _escape(text)
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(
+            f"{text[:40]!r}... escapes to a {len(key)}-character key, over the "
+            f"{MAX_KEY_LENGTH}-character limit; dlpipe.sample.make_key() shortens it"
+        )
     check_key(key)
     return key
 
 
+def make_key(text: str) -> tuple[str, bool]:
+    """A valid key for any non-empty `text`, shortened by the documented rule when too long.
+
+    Args:
+        text: a relative path, a file stem, an id; may hold any character, and surrogate
+            escapes from `os.fsdecode`.
+
+    Returns:
+        The key and whether it was shortened (then it is ``<prefix>%2D<16 hex of SHA-256>``).
+
+    Raises:
+        InvalidKeyError: `text` is empty.
+    """
+    key = _escape(text)
+    if len(key) <= MAX_KEY_LENGTH:
+        return check_key(key), False
+    room = MAX_KEY_LENGTH - len(_SHORT_MARK) - _HASH_DIGITS
+    prefix: list[str] = []
+    for char in text:  # whole characters only: the prefix unescapes to readable text
+        piece = _escape(char)
+        if room < len(piece):
+            break
+        prefix.append(piece)
+        room -= len(piece)
+    digest = hashlib.sha256(_text_bytes(text)).hexdigest()[:_HASH_DIGITS]
+    return check_key("".join(prefix) + _SHORT_MARK + digest), True
+
+
 def unescape_key(key: str) -> str:
-    """Invert `escape_key`."""
+    """Invert `escape_key` (bytes that are not UTF-8 come back as surrogate escapes)."""
     check_key(key)
     return re.sub(
         rb"%([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), key.encode("ascii")
-    ).decode("utf-8")
+    ).decode("utf-8", "surrogateescape")
 
 
 def check_key(key: object) -> str:
@@ -73,7 +135,7 @@ def check_key(key: object) -> str:
         raise InvalidKeyError(
             f"sample key {key!r} is not allowed: keys are 1-{MAX_KEY_LENGTH} characters of "
             "A-Z a-z 0-9 _ - and %XX escapes (no dots, slashes or spaces); "
-            "make one from any string with dlpipe.escape_key()"
+            "make one from any string with dlpipe.sample.make_key()"
         )
     return key
 
