@@ -68,6 +68,7 @@ __all__ = [
     "is_ignored_name",
     "is_inside",
     "open_regular",
+    "raw_folder_of",
     "read_file",
 ]
 
@@ -163,9 +164,8 @@ class Source(ABC):
 
     @functools.cached_property
     def raw_folder(self) -> str:
-        """The real path of the folder nothing is read outside of (a table file's folder)."""
-        real = os.path.realpath(self.root)
-        return real if os.path.isdir(real) else os.path.dirname(real)
+        """The real path of the folder nothing is read outside of (see `raw_folder_of`)."""
+        return raw_folder_of(self.root)
 
     @classmethod
     @abstractmethod
@@ -195,6 +195,13 @@ def display_path(path: str) -> str:
 def is_ignored_name(name: str) -> bool:
     """True for hidden names and the OS/tool names of `IGNORED_NAMES`."""
     return name.startswith(".") or name.lower() in IGNORED_NAMES
+
+
+def raw_folder_of(root: str) -> str:
+    """The real path of the folder a source reads nothing outside of: `root` itself, or the
+    folder holding it when `root` is a file (a table file)."""
+    real = os.path.realpath(root)
+    return real if os.path.isdir(real) else os.path.dirname(real)
 
 
 def is_inside(real: str, folder: str) -> bool:
@@ -230,7 +237,8 @@ def file_problem(path: str, folder: str) -> str | None:
     """
     real = os.path.realpath(path)
     if not is_inside(real, folder):
-        return f"a link to {display_path(real)}, outside the raw folder {display_path(folder)}"
+        shown = f"{display_path(real)}, outside the raw folder {display_path(folder)}"
+        return f"a link to {shown}" if os.path.islink(path) else f"resolves to {shown}"
     try:
         mode = os.stat(real).st_mode
     except OSError as exc:
@@ -253,7 +261,7 @@ def open_regular(path: str, folder: str | None = None) -> BinaryIO:
         target, flags = os.path.realpath(path), flags | getattr(os, "O_NOFOLLOW", 0)
         if not is_inside(target, folder):
             raise SampleError(
-                f"{display_path(path)}: is {file_problem(path, folder)}; dlpipe reads only "
+                f"{display_path(path)}: {file_problem(path, folder)}; dlpipe reads only "
                 "files inside the raw folder (copy the file in, or give a folder above both)"
             )
     try:

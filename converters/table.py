@@ -22,8 +22,9 @@ Columns (names guessed case-insensitively, or given with ``--image-col``/``--lab
   integers, named by the Hugging Face ``ClassLabel`` in the Parquet schema metadata when there
   is one, else ``"0"`` … ``str(max)``; or strings, whose sorted unique values are the classes.
 - key (``__key__``, ``key``, ``id``): when present, each row's key is its value escaped by the
-  key rule, and duplicates are an error; otherwise ``{split}_{row:08d}`` (``row_…`` for split
-  None), the row number counted in its split.
+  key rule (an id too long for a key is shortened by `dlpipe.sample.make_key`, the full id kept
+  as the item's ``original``), and duplicates are an error; otherwise ``{split}_{row:08d}``
+  (``row_…`` for split None), the row number counted in its split.
 
 Produces one sample per row: the image under ``"image"``, ``cls`` from the label, and every
 other column (the key column too; not a recognised ``split`` column) as ``json``: one compact
@@ -31,6 +32,11 @@ UTF-8 object with sorted keys. Values become JSON as follows: dates and times �
 strings, durations → seconds, decimals → strings (exact), bytes → base64 strings, NaN and
 infinities → null, lists/structs/maps → arrays/objects. Rows are numbered from 0 in their file
 (``train.csv row 0`` is the first line after the header); empty CSV cells are null.
+
+Image paths are read only when they resolve (``..``, absolute paths and links included) inside
+the raw folder: the folder given, or the table file's folder when one table file is given.
+Any other path (``/etc/passwd``, ``../../secret.jpg``, a link out) is a skipped sample naming
+the path and this rule; put the table in a folder above its images to use them.
 
 Reading: `scan` reads each table once (of a Parquet file only the image, label, split and key
 columns) and no image file; `load` reads its row's whole text table or Parquet row group and
@@ -50,7 +56,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from dlpipe.converters.source import Item, SampleError, Scan, Source, SourceError, read_file
+from dlpipe.converters.source import (
+    Item,
+    SampleError,
+    Scan,
+    Source,
+    SourceError,
+    display_path,
+    read_file,
+)
 from dlpipe.converters.table_files import (
     TABLE_SUFFIXES,
     Columns,
@@ -65,7 +79,7 @@ from dlpipe.converters.table_files import (
     string_columns,
 )
 from dlpipe.errors import InvalidKeyError
-from dlpipe.sample import escape_key
+from dlpipe.sample import make_key
 
 __all__ = ["TABLE_SUFFIXES", "TableSource", "split_of_name"]
 
@@ -121,23 +135,28 @@ def _classes(scans: list[FileScan]) -> tuple[str, ...]:
     return names or tuple(str(i) for i in range(top + 1))
 
 
-def _id_keys(scans: list[FileScan]) -> list[list[str]]:
-    """Each row's key from its id column; SourceError on empty, too long or duplicate ids."""
-    out: list[list[str]] = []
+_Keyed = tuple[str, str | None]  # (key, the full id when the key was shortened)
+
+
+def _id_keys(scans: list[FileScan]) -> list[list[_Keyed]]:
+    """Each row's key from its id column; SourceError on empty or duplicate ids."""
+    out: list[list[_Keyed]] = []
     seen: Counter[tuple[str | None, str]] = Counter()
     for s in scans:
-        keys = []
+        keys: list[_Keyed] = []
         for row, value in enumerate(s.ids):
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
+            text = "" if value is None else str(value)
             try:
-                keys.append(escape_key("" if value is None else str(value)))
+                key, shortened = make_key(text)
             except InvalidKeyError as exc:
                 raise SourceError(
-                    f"{s.name} row {row}: id {value!r} cannot be a key ({exc}); fix it, or "
+                    f"{s.name} row {row}: id {value!r} cannot be a key ({exc}); fill it in, or "
                     f"rename the {s.columns.key!r} column"
                 ) from exc
-            seen[(split_of_name(s.path), keys[-1])] += 1
+            keys.append((key, display_path(text) if shortened else None))
+            seen[(split_of_name(s.path), key)] += 1
         out.append(keys)
     dupes = sorted(key for (_, key), n in seen.items() if n > 1)
     if dupes:
@@ -148,13 +167,13 @@ def _id_keys(scans: list[FileScan]) -> list[list[str]]:
     return out
 
 
-def _row_keys(scans: list[FileScan]) -> list[list[str]]:
+def _row_keys(scans: list[FileScan]) -> list[list[_Keyed]]:
     counts: Counter[str | None] = Counter()
     out = []
     for s in scans:
-        keys = []
+        keys: list[_Keyed] = []
         for split in s.splits:
-            keys.append(f"{split or 'row'}_{counts[split]:08d}")
+            keys.append((f"{split or 'row'}_{counts[split]:08d}", None))
             counts[split] += 1
         out.append(keys)
     return out
@@ -232,8 +251,8 @@ class TableSource(Source):
         cols = scans[0].columns
         description = {
             "kind": self.kind,
-            "root": self.root,
-            "tables": [s.name for s in scans],
+            "root": display_path(self.root),
+            "tables": [display_path(s.name) for s in scans],
             "columns": {
                 "image": cols.image,
                 "label": cols.label,
@@ -244,9 +263,10 @@ class TableSource(Source):
         }
         return Scan(classes=classes, items=tuple(items), description=description)
 
-    def _item(self, scan: FileScan, row: int, key: str) -> Item:
+    def _item(self, scan: FileScan, row: int, keyed: _Keyed) -> Item:
         image = scan.images[row]
-        origin = f"{scan.name} row {row}" + (f" ({image})" if image else "")
+        origin = f"{display_path(scan.name)} row {row}" + (f" ({image})" if image else "")
+        key, original = keyed
         return Item(
             key=key,
             label=scan.labels[row],
@@ -255,13 +275,14 @@ class TableSource(Source):
             size=scan.sizes[row],
             image_kind=scan.kinds[row],
             origin=origin,
+            original=original,
         )
 
     def load(self, item: Item) -> dict[str, bytes]:
         """The row's image bytes under ``"image"`` and its other columns as ``"json"``."""
         path, row = item.ref
         try:
-            values, schema = read_row(path, row, self.string_columns())
+            values, schema = read_row(path, row, self.string_columns(), self.raw_folder)
             cols = find_columns(schema, self.options, path)
         except (OSError, IndexError, pa.ArrowException, SourceError) as exc:
             raise SampleError(f"{item.origin}: the row cannot be read from {path} ({exc})") from exc
@@ -281,6 +302,6 @@ class TableSource(Source):
             raise SampleError(f"{item.origin}: the image cell is empty; fill it or drop the row")
         path = os.path.join(folder, str(value))
         try:
-            return read_file(path)
+            return read_file(path, self.raw_folder)
         except SampleError as exc:
             raise SampleError(f"{item.origin}: image {exc}") from exc

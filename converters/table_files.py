@@ -5,6 +5,10 @@ file's name names; `find_columns` tells which column is the image, label, split 
 `scan_file` gathers one file's rows (splits, raw labels, ids, image facts) for the scan;
 `read_row` reads one row lazily, keeping the last 8 text tables or Parquet row groups per
 process. The layout, split and column rules are stated in `dlpipe.converters.table`.
+
+Table files are opened only as regular files inside the raw folder (`open_regular`: a FIFO or
+``/dev/zero`` named ``data.csv`` is refused, never read); a table-named entry that is not one
+is a `SourceError` naming it, not a silently missing table.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import bisect
 import functools
 import json
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,10 +30,17 @@ import pyarrow.parquet as pq
 
 from dlpipe.converters.source import (
     SPLIT_NAMES,
+    SampleError,
     SourceError,
     SourceOptions,
+    display_path,
+    file_problem,
     image_kind_of_bytes,
     image_kind_of_name,
+    is_ignored_name,
+    is_inside,
+    open_regular,
+    raw_folder_of,
 )
 
 __all__ = [
@@ -70,13 +82,27 @@ def split_of_name(filename: str) -> str | None:
     return None
 
 
+def _has_table_suffix(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() in TABLE_SUFFIXES
+
+
 def is_table(path: str) -> bool:
     """True for a file with a table suffix (``.csv``, ``.tsv``, ``.jsonl``, ...)."""
-    return os.path.isfile(path) and os.path.splitext(path)[1].lower() in TABLE_SUFFIXES
+    return os.path.isfile(path) and _has_table_suffix(path)
 
 
 def _visible(folder: str) -> list[str]:
-    return sorted(n for n in os.listdir(folder) if not n.startswith("."))
+    try:
+        return sorted(n for n in os.listdir(folder) if not is_ignored_name(n))
+    except OSError as exc:
+        raise SourceError(
+            f"{display_path(folder)}: cannot be listed ({exc.strerror or exc}); fix its "
+            "permissions or remove it"
+        ) from exc
+
+
+def _is_real_folder(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def folder_tables(root: str, strict: bool) -> list[str] | None:
@@ -90,10 +116,11 @@ def folder_tables(root: str, strict: bool) -> list[str] | None:
     found = []
     for name in _visible(root):
         path = os.path.join(root, name)
-        inner = [os.path.join(path, n) for n in _visible(path)] if name == "data" else []
-        if is_table(path):
-            found.append(path)
-        elif inner and all(is_table(p) for p in inner):
+        is_data = name == "data" and _is_real_folder(path)
+        inner = [os.path.join(path, n) for n in _visible(path)] if is_data else []
+        if _has_table_suffix(path) and not os.path.isdir(path):
+            found.append(path)  # a FIFO or a link out named .csv is refused by find_tables
+        elif inner and all(_has_table_suffix(p) and not os.path.isdir(p) for p in inner):
             found += inner
         elif strict and not (os.path.isfile(path) and name.lower().startswith(_DOC_PREFIXES)):
             return None
@@ -113,9 +140,18 @@ def find_tables(root: str) -> list[str]:
         files = folder_tables(root, strict=False) if os.path.isdir(root) else None
     if not files:
         raise SourceError(
-            f"{root}: not a table file or a folder of them (suffixes: "
+            f"{display_path(root)}: not a table file or a folder of them (suffixes: "
             f"{' '.join(TABLE_SUFFIXES)}); give the table file itself"
         )
+    folder = raw_folder_of(root)
+    for path in files:
+        problem = file_problem(path, folder)
+        if problem is not None:
+            raise SourceError(
+                f"{display_path(path)}: {problem}, not a regular table file; dlpipe reads "
+                "only regular files inside the raw folder (replace it with the table, or "
+                "remove it)"
+            )
     unnamed = [os.path.basename(f) for f in files if split_of_name(f) is None]
     if unnamed and len(unnamed) < len(files):
         raise SourceError(
@@ -125,28 +161,45 @@ def find_tables(root: str) -> list[str]:
     return sorted(files, key=lambda f: (split_of_name(f) or "", os.path.basename(f), f))
 
 
+def _open_table(path: str, folder: str) -> Any:
+    """The table file opened as a regular file inside `folder`; SourceError otherwise."""
+    try:
+        return open_regular(path, folder)
+    except SampleError as exc:
+        raise SourceError(f"{exc}; the table cannot be read") from exc
+
+
 def _read_table(
-    path: str, columns: Sequence[str] | None = None, strings: tuple[str, ...] = ()
+    path: str, folder: str, columns: Sequence[str] | None = None, strings: tuple[str, ...] = ()
 ) -> pa.Table:
     """A table file (only `columns` of a Parquet file); SourceError when unparseable.
 
     Args:
         path: the table file.
+        folder: the real raw folder the file must lie in.
         columns: the Parquet columns to read (all when None); text tables are read whole.
         strings: CSV/TSV columns to read as text, besides the usual id and path names.
     """
+    with _open_table(path, folder) as f:
+        return _parse_table(f, path, columns, strings)
+
+
+def _parse_table(
+    f: Any, path: str, columns: Sequence[str] | None, strings: tuple[str, ...]
+) -> pa.Table:
     fmt = TABLE_SUFFIXES[os.path.splitext(path)[1].lower()]
-    if os.path.getsize(path) == 0:
+    if os.fstat(f.fileno()).st_size == 0:
         raise SourceError(
-            f"{path}: the table file is empty; remove it or give it a header and rows"
+            f"{display_path(path)}: the table file is empty; remove it or give it a header "
+            "and rows"
         )
     try:
         if fmt == "parquet":
-            return pq.read_table(path, columns=list(columns) if columns else None)
+            return pq.read_table(f, columns=list(columns) if columns else None)
         if fmt == "jsonl":
-            return pa_json.read_json(path)
+            return pa_json.read_json(f)
         return pa_csv.read_csv(
-            path,
+            f,
             parse_options=pa_csv.ParseOptions(delimiter="\t" if fmt == "tsv" else ","),
             convert_options=pa_csv.ConvertOptions(
                 column_types=dict.fromkeys(_TEXT_AS_STRING + strings, pa.string()),
@@ -155,7 +208,7 @@ def _read_table(
         )
     except (pa.ArrowException, OSError) as exc:
         raise SourceError(
-            f"{path}: cannot be read as {fmt} ({exc}); fix the file or remove it"
+            f"{display_path(path)}: cannot be read as {fmt} ({exc}); fix the file or remove it"
         ) from exc
 
 
@@ -163,9 +216,10 @@ def _is_parquet(path: str) -> bool:
     return path.lower().endswith(".parquet")
 
 
-def _parquet_schema(path: str) -> pa.Schema:
+def _parquet_schema(path: str, folder: str) -> pa.Schema:
     try:
-        return pq.read_schema(path)
+        with _open_table(path, folder) as f:
+            return pq.read_schema(f)
     except (pa.ArrowException, OSError) as exc:
         raise SourceError(f"{path}: cannot be read as parquet ({exc}); fix or remove it") from exc
 
@@ -176,9 +230,10 @@ def _stamp(path: str) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _group_starts(path: str, stamp: tuple[int, int]) -> tuple[int, ...]:
+def _group_starts(path: str, folder: str, stamp: tuple[int, int]) -> tuple[int, ...]:
     """First row of each Parquet row group, plus the row count (cached per process)."""
-    meta = pq.ParquetFile(path).metadata
+    with _open_table(path, folder) as f:
+        meta = pq.ParquetFile(f).metadata
     starts = [0]
     for i in range(meta.num_row_groups):
         starts.append(starts[-1] + meta.row_group(i).num_rows)
@@ -187,25 +242,35 @@ def _group_starts(path: str, stamp: tuple[int, int]) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=8)
 def _cached_part(
-    path: str, stamp: tuple[int, int], group: int, strings: tuple[str, ...]
+    path: str, folder: str, stamp: tuple[int, int], group: int, strings: tuple[str, ...]
 ) -> pa.Table:
     """A text table (group -1) or one Parquet row group, cached per process."""
     if group < 0:
-        return _read_table(path, strings=strings)
-    return pq.ParquetFile(path).read_row_group(group)
+        return _read_table(path, folder, strings=strings)
+    with _open_table(path, folder) as f:
+        return pq.ParquetFile(f).read_row_group(group)
 
 
-def read_row(path: str, row: int, strings: tuple[str, ...]) -> tuple[dict[str, Any], pa.Schema]:
-    """One row as Python values, and its table's schema, read lazily and cached."""
+def read_row(
+    path: str, row: int, strings: tuple[str, ...], folder: str
+) -> tuple[dict[str, Any], pa.Schema]:
+    """One row as Python values, and its table's schema, read lazily and cached.
+
+    Args:
+        path: the table file.
+        row: the row number in the file.
+        strings: CSV/TSV columns to read as text (`string_columns`).
+        folder: the real raw folder the table must lie in.
+    """
     stamp = _stamp(path)
     if _is_parquet(path):
-        starts = _group_starts(path, stamp)
+        starts = _group_starts(path, folder, stamp)
         if not 0 <= row < starts[-1]:
             raise IndexError(f"row {row} is past the table's {starts[-1]} rows")
         group = bisect.bisect_right(starts, row) - 1
-        part, row = _cached_part(path, stamp, group, ()), row - starts[group]
+        part, row = _cached_part(path, folder, stamp, group, ()), row - starts[group]
     else:
-        part = _cached_part(path, stamp, -1, strings)
+        part = _cached_part(path, folder, stamp, -1, strings)
     if not 0 <= row < part.num_rows:
         raise IndexError(f"row {row} is past the table's {part.num_rows} rows")
     return part.slice(row, 1).to_pylist()[0], part.schema
@@ -343,7 +408,19 @@ def _image_arrays(chunk: pa.Array, cols: Columns, name: str) -> tuple[pa.Array, 
     )
 
 
-def _add_image_facts(scan: FileScan, column: pa.ChunkedArray) -> None:
+def _path_size(path: str, raw_folder: str) -> int:
+    """A listed image's size on disk; 0 when missing, not a regular file, or plainly outside
+    the raw folder (`read_file` checks links out of it when the image is read)."""
+    if not path or not is_inside(os.path.abspath(path), raw_folder):
+        return 0
+    try:
+        info = os.stat(path)
+    except OSError:
+        return 0
+    return info.st_size if stat.S_ISREG(info.st_mode) else 0
+
+
+def _add_image_facts(scan: FileScan, column: pa.ChunkedArray, raw_folder: str) -> None:
     """Per row: estimated size, image kind, and the image path (None for embedded bytes)."""
     folder = os.path.dirname(scan.path)
     for chunk in column.chunks:  # chunk by chunk: no copy of a whole column of images
@@ -357,7 +434,7 @@ def _add_image_facts(scan: FileScan, column: pa.ChunkedArray) -> None:
                 scan.images.append(None)
                 continue
             full = os.path.join(folder, path) if path else ""
-            scan.sizes.append(os.stat(full).st_size if os.path.isfile(full) else 0)
+            scan.sizes.append(_path_size(full, raw_folder))
             scan.kinds.append(image_kind_of_name(path) if path else None)
             scan.images.append(path)
 
@@ -371,12 +448,14 @@ def scan_file(path: str, root: str, options: SourceOptions) -> FileScan:
         options: the user's ``--image-col``/``--label-col``.
     """
     name = os.path.relpath(path, root) if path != root else os.path.basename(path)
+    folder = raw_folder_of(root)
     if _is_parquet(path):
-        schema = _parquet_schema(path)
+        schema = _parquet_schema(path, folder)
         cols = find_columns(schema, options, name)
-        table = _read_table(path, [c for c in (cols.image, cols.label, cols.split, cols.key) if c])
+        wanted = [c for c in (cols.image, cols.label, cols.split, cols.key) if c]
+        table = _read_table(path, folder, wanted)
     else:
-        table = _read_table(path, strings=string_columns(options))
+        table = _read_table(path, folder, strings=string_columns(options))
         schema = table.schema
         cols = find_columns(schema, options, name)
     if table.num_rows == 0:
@@ -385,5 +464,5 @@ def scan_file(path: str, root: str, options: SourceOptions) -> FileScan:
     scan.splits = _row_splits(table, cols, scan)
     scan.labels = table.column(cols.label).to_pylist() if cols.label else [None] * table.num_rows
     scan.ids = table.column(cols.key).to_pylist() if cols.key else []
-    _add_image_facts(scan, table.column(cols.image))
+    _add_image_facts(scan, table.column(cols.image), folder)
     return scan

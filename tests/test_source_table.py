@@ -81,11 +81,11 @@ def test_source_and_items_pickle_and_load_in_another_process_state(pets: Path) -
 
 
 def test_tsv_and_absolute_paths(tmp_path: Path) -> None:
-    write_images(tmp_path, ["a.jpg", "b.jpg"])
-    rows = f"filename\tclass\textra\n{tmp_path / 'a.jpg'}\tx\t1\nb.jpg\ty\t2\n"
+    write_images(tmp_path, ["sub/a.jpg", "b.jpg"])  # absolute paths inside the table's folder
+    rows = f"filename\tclass\textra\n{tmp_path / 'sub/a.jpg'}\tx\t1\nb.jpg\ty\t2\n"
     source, result = scan(write_text(tmp_path / "sub/t.tsv", rows))
     assert result.classes == ("x", "y")
-    assert source.load(result.items[0])["image"] == (tmp_path / "a.jpg").read_bytes()
+    assert source.load(result.items[0])["image"] == (tmp_path / "sub/a.jpg").read_bytes()
     with pytest.raises(SampleError, match=r"t\.tsv row 1 \(b\.jpg\).*sub/b\.jpg"):
         source.load(result.items[1])  # relative to the table's folder, not the cwd
 
