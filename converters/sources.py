@@ -15,6 +15,7 @@ SOURCE_KINDS = {
     "mnist": "dlpipe.converters.mnist:MnistSource",
     "table": "dlpipe.converters.table:TableSource",
     "files": "dlpipe.converters.files:FilesSource",
+    "imagenet": "dlpipe.converters.imagenet:ImageNetSource",
     "imagefolder": "dlpipe.converters.imagefolder:ImageFolderSource",
 }
 

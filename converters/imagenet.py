@@ -1,0 +1,460 @@
+"""``imagenet``: ILSVRC2012 (ImageNet-1k) as it ships, the Kaggle download or the devkit.
+
+Layouts (``root`` is the folder the archives were extracted into):
+
+- Kaggle "ImageNet Object Localization Challenge": ``LOC_synset_mapping.txt`` (one class a
+  line, ``n01440764 tench, Tinca tinca``), ``LOC_val_solution.csv`` (``ImageId,
+  PredictionString``; a row's label is the first token of its PredictionString) and
+  ``ILSVRC/Data/CLS-LOC/{train,val,test}/``; or ``train/`` and ``val/`` beside the LOC files.
+- The original devkit, as torchvision's ``ImageNet`` reads it: ``train/``, ``val/`` and
+  ``ILSVRC2012_devkit_t12/data/`` with ``meta.mat`` (the ``synsets`` struct: ILSVRC2012_ID,
+  WNID, words, num_children; the leaves, num_children == 0, are the classes) and
+  ``ILSVRC2012_validation_ground_truth.txt`` (line i: the ILSVRC2012_ID of
+  ``ILSVRC2012_val_<i as 8 digits>``). meta.mat (MATLAB v5/v7) is parsed here, bounded by size.
+
+``train/<wnid>/**/<image>`` gives the train labels. ``val/`` may be flat or sorted into
+sub-folders: its labels always come from the label file, matched by file stem. Classes are the
+wnids sorted (index 0 = n01440764), the same in both splits; their names are recorded as
+``class_names`` in the manifest's ``source``. The unlabelled ``test/`` is left out (named in
+``source.left_out``).
+
+Produces one sample per image: the image and ``cls``, split ``train`` or ``val``. Keys: the path
+in ``train/`` without suffix, escaped (``n01440764%2Fn01440764_10026``), and a val image's stem
+(``ILSVRC2012_val_00000001``).
+
+A missing, oversized or malformed label file or split folder, or val images and labels that do
+not match one to one, is a `SourceError`; a row naming no known class skips its sample (listed
+in errors.jsonl). Only regular files and real folders inside ``root`` are read: a symbolic link
+is refused by name (a split folder or label file) or counted in ``ignored_files`` (an image).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import struct
+import zlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from dlpipe.converters.source import (
+    Item,
+    RawTree,
+    SampleError,
+    Scan,
+    Source,
+    SourceError,
+    display_path,
+    image_kind_of_name,
+    read_file,
+)
+from dlpipe.sample import make_key
+
+__all__ = ["ImageNetSource", "read_synsets"]
+
+_MAPPING, _VAL_CSV = "LOC_synset_mapping.txt", "LOC_val_solution.csv"
+_KAGGLE_DATA = ("ILSVRC", "Data", "CLS-LOC")
+_DEVKIT, _META, _TRUTH = (
+    "ILSVRC2012_devkit_t12",
+    "meta.mat",
+    "ILSVRC2012_validation_ground_truth.txt",
+)
+_WNID = re.compile(r"n[0-9]{8}")
+_SKIPPED_NAMES = frozenset({"__MACOSX", "lost+found", "$RECYCLE.BIN", "System Volume Information"})
+_MAX_LABEL_FILE_BYTES = 64 << 20  # the real files: LOC_val_solution.csv 2.4 MB, meta.mat < 3 MB
+_MAX_MAT_BYTES = 64 << 20  # meta.mat decompressed (about 2 MB in the devkit)
+_MAT_NUMBERS = {1: "i1", 2: "u1", 3: "i2", 4: "u2", 5: "i4", 6: "u4", 7: "f4", 9: "f8",
+                12: "i8", 13: "u8"}  # fmt: skip
+_MAT_TEXT = {16: "utf-8", 4: "utf-16", 17: "utf-16", 2: "latin-1", 1: "latin-1"}
+_MI_MATRIX, _MI_COMPRESSED, _MX_STRUCT, _MX_CHAR = 14, 15, 2, 4
+_SYNSET_FIELDS = ("ILSVRC2012_ID", "WNID", "words", "num_children")
+
+
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:40] + "...")
+
+
+def _inside(root: str, path: str) -> None:
+    """Refuse `path` unless it lies in `root` with no symbolic link on the way."""
+    if os.path.realpath(path) != os.path.join(os.path.realpath(root), os.path.relpath(path, root)):
+        raise SourceError(
+            f"{display_path(path)} is (or lies under) a symbolic link, which dlpipe does not "
+            "follow; give the real folder as raw, or move the files in"
+        )
+
+
+def _read_text(root: str, path: str) -> str:
+    """A label file's text: a regular UTF-8 file inside `root`, at most 64 MiB."""
+    try:
+        return _read_label_file(root, path).decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{display_path(path)}: not UTF-8 text ({exc}); restore it") from exc
+
+
+def _read_label_file(root: str, path: str) -> bytes:
+    if not os.path.lexists(path):
+        raise SourceError(
+            f"{display_path(path)} is missing; it holds the labels (restore it from the download)"
+        )
+    try:
+        return read_file(path, os.path.realpath(root), max_bytes=_MAX_LABEL_FILE_BYTES)
+    except SampleError as exc:
+        raise SourceError(f"{exc}; it holds the labels (restore it from the download)") from exc
+
+
+def _kaggle_classes(root: str, path: str) -> dict[str, str]:
+    """wnid → names from ``LOC_synset_mapping.txt``."""
+    names: dict[str, str] = {}
+    for number, line in enumerate(_read_text(root, path).splitlines(), 1):
+        wnid, _, words = line.strip().partition(" ")
+        if not wnid:
+            continue
+        if not _WNID.fullmatch(wnid) or wnid in names:
+            what = "repeats" if wnid in names else "is not a WordNet id (n and 8 digits)"
+            raise SourceError(
+                f"{path} line {number}: {_shown(wnid)} {what}; each line is one class, "
+                "'n01440764 tench, Tinca tinca' (restore the file from the download)"
+            )
+        names[wnid] = words.strip()
+    return names
+
+
+def _kaggle_val_labels(root: str, path: str) -> dict[str, tuple[str, str]]:
+    """Val image stem → (label token, origin) from ``LOC_val_solution.csv``."""
+    rows = csv.reader(io.StringIO(_read_text(root, path)))
+    labels: dict[str, tuple[str, str]] = {}
+    try:
+        header = next(rows, [])
+        if [h.strip() for h in header] != ["ImageId", "PredictionString"]:
+            raise SourceError(
+                f"{path}: header {_shown(','.join(header))}, expected ImageId,PredictionString"
+            )
+        for row in rows:
+            origin = f"{path} line {rows.line_num}"
+            if not row:
+                continue
+            if len(row) != 2 or row[0].strip() in labels:
+                what = "repeats its ImageId" if len(row) == 2 else f"has {len(row)} fields"
+                raise SourceError(f"{origin} {what}; expected one ImageId,PredictionString row")
+            tokens = row[1].split()
+            labels[row[0].strip()] = (tokens[0] if tokens else "", origin)
+    except csv.Error as exc:
+        raise SourceError(f"{path}: not a readable CSV ({exc}); restore it") from exc
+    return labels
+
+
+def _devkit_val_labels(
+    root: str, path: str, id_to_wnid: dict[int, str]
+) -> dict[str, tuple[str, str]]:
+    """Val image stem → (label token, origin): line i labels ``ILSVRC2012_val_<i>``."""
+    labels: dict[str, tuple[str, str]] = {}
+    for number, line in enumerate(_read_text(root, path).rstrip().splitlines(), 1):
+        if not line.strip().isdigit():
+            raise SourceError(
+                f"{path} line {number}: {_shown(line)} is not an ILSVRC2012_ID (one integer a "
+                "line, line i for ILSVRC2012_val_<i>); restore it from the devkit"
+            )
+        class_id = int(line)
+        token = id_to_wnid.get(class_id, f"ILSVRC2012_ID {class_id}")
+        labels[f"ILSVRC2012_val_{number:08d}"] = (token, f"{path} line {number}")
+    return labels
+
+
+class _MatReader:
+    """The subset of MATLAB v5 data elements meta.mat uses, every length checked."""
+
+    def __init__(self, path: str, endian: str) -> None:
+        self.path, self.endian = path, endian
+
+    def fail(self, what: str) -> SourceError:
+        return SourceError(f"{self.path}: not a readable MATLAB file ({what}); re-extract it")
+
+    def element(self, buf: bytes, pos: int) -> tuple[int, bytes, int]:
+        """(type, payload, position of the next element) of the element at `pos`."""
+        if pos + 8 > len(buf):
+            raise self.fail(f"an element at byte {pos} is cut short")
+        kind, size = struct.unpack_from(self.endian + "II", buf, pos)
+        if kind >> 16:  # small element: size and type share a word, the data the next
+            size, kind = kind >> 16, kind & 0xFFFF
+            if size > 4:
+                raise self.fail(f"a small element of {size} bytes")
+            return kind, buf[pos + 4 : pos + 4 + size], pos + 8
+        end = pos + 8 + size
+        if end > len(buf):
+            raise self.fail(f"an element at byte {pos} runs {end - len(buf)} bytes past its end")
+        padded = end if kind == _MI_COMPRESSED else pos + 8 + (size + 7) // 8 * 8
+        return kind, buf[pos + 8 : end], min(padded, len(buf))
+
+    def numbers(self, kind: int, data: bytes) -> np.ndarray:
+        code = _MAT_NUMBERS.get(kind)
+        if code is None or len(data) % np.dtype(code).itemsize:
+            raise self.fail(f"{len(data)} bytes of type {kind} where numbers belong")
+        return np.frombuffer(data, dtype=self.endian + code)
+
+    def matrix(self, body: bytes, top: bool) -> tuple[str, Any]:
+        """(name, value) of a miMATRIX: a struct (top level only) → rows, char → str, a number."""
+        if not body:
+            return "", None
+        kind, flags, pos = self.element(body, 0)
+        kind_dims, dims, pos = self.element(body, pos)
+        _, name, pos = self.element(body, pos)
+        matlab_class = int(self.numbers(kind, flags)[:1].sum()) & 0xFF
+        count = int(np.prod(self.numbers(kind_dims, dims).astype(np.int64)))
+        if matlab_class == _MX_STRUCT and top:
+            return name.decode("latin-1"), self.struct_rows(body, pos, count)
+        if matlab_class == _MX_CHAR or 6 <= matlab_class <= 15:
+            kind, data, _ = self.element(body, pos)
+            if matlab_class == _MX_CHAR:
+                codec = _MAT_TEXT.get(kind, "")
+                if codec == "utf-16":
+                    codec += "-le" if self.endian == "<" else "-be"
+                return "", data.decode(codec or "?", "replace") if codec else None
+            values = self.numbers(kind, data)
+            return "", float(values[0]) if values.size else None
+        return "", None
+
+    def struct_rows(self, body: bytes, pos: int, count: int) -> list[tuple[Any, ...]]:
+        kind, length_data, pos = self.element(body, pos)
+        _, names, pos = self.element(body, pos)
+        length = int(self.numbers(kind, length_data)[:1].sum())
+        if not 0 < length <= 64 or len(names) % length:
+            raise self.fail(f"struct field names of {len(names)} bytes in {length}-byte slots")
+        fields = [names[i : i + length].split(b"\0")[0].decode("latin-1")
+                  for i in range(0, len(names), length)]  # fmt: skip
+        if count < 0 or count * len(fields) * 8 > len(body) - pos:
+            raise self.fail(f"{count} struct elements cannot fit in {len(body) - pos} bytes")
+        wanted = [fields.index(f) if f in fields else -1 for f in _SYNSET_FIELDS]
+        rows = []
+        for _ in range(count):
+            values = []
+            for _field in fields:
+                kind, value, pos = self.element(body, pos)
+                if kind != _MI_MATRIX:
+                    raise self.fail(f"a struct field of type {kind}, expected a matrix")
+                values.append(self.matrix(value, top=False)[1])
+            rows.append(tuple(values[i] if i >= 0 else None for i in wanted))
+        return rows
+
+
+def read_synsets(root: str, path: str) -> list[tuple[Any, ...]]:
+    """The ``synsets`` rows of a devkit ``meta.mat``: (ILSVRC2012_ID, WNID, words, num_children).
+
+    Raises:
+        SourceError: not a MATLAB v5/v7 file, malformed, over 64 MiB (read or decompressed),
+            or without a ``synsets`` struct.
+    """
+    data = _read_label_file(root, path)
+    endian = {b"IM": "<", b"MI": ">"}.get(data[126:128], "")
+    reader = _MatReader(path, endian)
+    if len(data) < 128 or not endian or data[124:126] not in (b"\x00\x01", b"\x01\x00"):
+        raise reader.fail("no MATLAB 5 header; a v7.3 file must be re-saved with save -v7")
+    pos = 128
+    while pos < len(data):
+        kind, body, pos = reader.element(data, pos)
+        if kind == _MI_COMPRESSED:
+            try:
+                inflated = zlib.decompressobj().decompress(body, _MAX_MAT_BYTES + 1)
+            except zlib.error as exc:
+                raise reader.fail(f"damaged compressed data: {exc}") from exc
+            if len(inflated) > _MAX_MAT_BYTES:
+                raise reader.fail("a variable decompresses past 64 MiB")
+            kind, body, _ = reader.element(inflated, 0)
+        if kind == _MI_MATRIX:
+            name, rows = reader.matrix(body, top=True)
+            if name == "synsets" and isinstance(rows, list):
+                return rows
+    raise reader.fail("no 'synsets' struct")
+
+
+def _devkit_classes(root: str, path: str) -> tuple[dict[str, str], dict[int, str]]:
+    """(wnid → names, ILSVRC2012_ID → wnid) of the leaf synsets in ``meta.mat``."""
+    names: dict[str, str] = {}
+    id_to_wnid: dict[int, str] = {}
+    for number, (class_id, wnid, words, children) in enumerate(read_synsets(root, path), 1):
+        if children != 0:
+            continue
+        valid_id = isinstance(class_id, float) and class_id.is_integer()
+        if not (valid_id and isinstance(wnid, str) and _WNID.fullmatch(wnid)) or wnid in names:
+            raise SourceError(
+                f"{path}: synset {number} has ILSVRC2012_ID {class_id!r} and WNID {wnid!r}; "
+                "each leaf needs an integer id and its own wnid (re-extract the devkit)"
+            )
+        names[wnid] = words if isinstance(words, str) else ""
+        id_to_wnid[int(class_id)] = wnid
+    if not names:
+        raise SourceError(
+            f"{path}: 'synsets' has no leaves (fields {', '.join(_SYNSET_FIELDS)}, "
+            "num_children == 0); re-extract the devkit"
+        )
+    return names, id_to_wnid
+
+
+@dataclass(frozen=True)
+class _Layout:
+    name: str  # "kaggle" or "devkit"
+    splits: str  # the folder holding train/ and val/
+    classes_file: str
+    labels_file: str
+
+
+def _find_layout(root: str) -> _Layout | None:
+    """The layout `root` has by its names: the Kaggle LOC files, or the devkit folder."""
+    if any(os.path.lexists(os.path.join(root, name)) for name in (_MAPPING, _VAL_CSV)):
+        nested = os.path.join(root, *_KAGGLE_DATA)
+        splits = nested if os.path.lexists(nested) else root
+        return _Layout("kaggle", splits, os.path.join(root, _MAPPING), os.path.join(root, _VAL_CSV))
+    data = os.path.join(root, _DEVKIT, "data")
+    if os.path.isdir(os.path.join(root, _DEVKIT)):
+        return _Layout("devkit", root, os.path.join(data, _META), os.path.join(data, _TRUTH))
+    return None
+
+
+class ImageNetSource(Source):
+    kind = "imagenet"
+
+    @classmethod
+    def detect(cls, root: str) -> bool:
+        """True when `root` has the Kaggle LOC files or the devkit folder beside train/ or val/."""
+        layout = _find_layout(root)
+        return layout is not None and any(
+            os.path.isdir(os.path.join(layout.splits, split)) for split in ("train", "val")
+        )
+
+    def scan(self) -> Scan:
+        layout = _find_layout(self.root)
+        if layout is None:
+            raise SourceError(
+                f"{display_path(self.root)}: neither {_MAPPING} + {_VAL_CSV} (Kaggle) nor "
+                f"{_DEVKIT}/ is there; give the folder the ImageNet download was extracted to"
+            )
+        if layout.name == "kaggle":
+            names = _kaggle_classes(self.root, layout.classes_file)
+            val_labels = _kaggle_val_labels(self.root, layout.labels_file)
+        else:
+            names, id_to_wnid = _devkit_classes(self.root, layout.classes_file)
+            val_labels = _devkit_val_labels(self.root, layout.labels_file, id_to_wnid)
+        classes = tuple(sorted(names))
+        index = {wnid: i for i, wnid in enumerate(classes)}
+        tree = RawTree(self.root)
+        train, ignored = self._train_items(tree, layout, index)
+        val, val_ignored = self._val_items(tree, layout, index, val_labels)
+        description = {
+            "kind": self.kind,
+            "root": display_path(self.root),
+            "layout": layout.name,
+            "labels_files": [display_path(layout.classes_file), display_path(layout.labels_file)],
+            "class_names": [names[wnid] for wnid in classes],
+            "ignored_files": ignored + val_ignored,
+            **tree.report(),
+        }
+        test = os.path.join(layout.splits, "test")
+        if os.path.isdir(test):
+            description["left_out"] = {"test": f"{display_path(test)}: no labels"}
+        return Scan(classes=classes, items=tuple(train + val), description=description)
+
+    def _images(
+        self, tree: RawTree, layout: _Layout, split: str
+    ) -> tuple[list[tuple[str, Item]], int]:
+        """(path in the split folder without suffix, item with no label yet) of every image
+        below the split's folder, and how many other files there are."""
+        folder = os.path.join(layout.splits, split)
+        if not os.path.isdir(folder):
+            raise SourceError(
+                f"{display_path(folder)} is missing; the {layout.name} layout needs train/ and "
+                "val/ (extract the ImageNet train and val images there)"
+            )
+        _inside(self.root, folder)
+        items, ignored = [], 0
+        for entry in tree.files(folder):
+            kind = image_kind_of_name(entry.name)
+            if kind is None:
+                ignored += 1
+                continue
+            rel = os.path.splitext(os.path.relpath(entry.path, folder))[0].replace(os.sep, "/")
+            key, shortened = make_key(rel if split == "train" else rel.rpartition("/")[2])
+            origin = display_path(entry.path)
+            original = display_path(rel) if shortened else None
+            item = Item(key, None, split, entry.path, entry.size, kind, origin, original)
+            items.append((rel, item))
+        return items, ignored
+
+    def _train_items(
+        self, tree: RawTree, layout: _Layout, index: dict[str, int]
+    ) -> tuple[list[Item], int]:
+        found, ignored = self._images(tree, layout, "train")
+        items = []
+        for rel, item in found:
+            wnid, slash, _ = rel.partition("/")
+            if not slash:
+                ignored += 1  # an image directly in train/ has no class folder
+            elif wnid not in index:
+                raise SourceError(
+                    f"{display_path(os.path.join(layout.splits, 'train', wnid))}: "
+                    f"{_shown(wnid)} is not one of the {len(index)} classes in "
+                    f"{display_path(layout.classes_file)}; move it out of train/"
+                )
+            else:
+                items.append(replace(item, label=index[wnid], ref=(item.ref, None)))
+        return items, ignored
+
+    def _val_items(
+        self,
+        tree: RawTree,
+        layout: _Layout,
+        index: dict[str, int],
+        labels: dict[str, tuple[str, str]],
+    ) -> tuple[list[Item], int]:
+        found, ignored = self._images(tree, layout, "val")
+        stems: dict[str, str] = {}
+        for rel, item in found:
+            stem = rel.rpartition("/")[2]
+            if stem in stems:
+                raise SourceError(f"{item.origin} and {stems[stem]} are both val image {stem}")
+            stems[stem] = item.origin
+        _match(os.path.join(layout.splits, "val"), layout.labels_file, stems, labels)
+        items = []
+        for rel, item in found:
+            token, origin = labels[rel.rpartition("/")[2]]
+            problem = None
+            if token not in index:
+                what = f"the label {_shown(token)} is not" if token else "no label; it needs"
+                problem = f"{origin}: {what} one of the {len(index)} classes"
+            items.append(replace(item, label=index.get(token), ref=(item.ref, problem)))
+        if all(item.label is None for item in items):
+            raise SourceError(
+                f"{items[0].ref[1]}, nor is any other val label: {display_path(layout.labels_file)}"
+                f" does not go with {display_path(layout.classes_file)} (restore both)"
+            )
+        return items, ignored
+
+    def load(self, item: Item) -> dict[str, bytes]:
+        """The image's bytes; a val sample whose label row names no class raises SampleError."""
+        path, problem = item.ref
+        if problem:
+            raise SampleError(f"{problem}; the sample is skipped")
+        return {"image": read_file(path, self.raw_folder)}
+
+
+def _match(
+    folder: str, labels_file: str, stems: dict[str, str], labels: dict[str, tuple[str, str]]
+) -> None:
+    """Refuse val images without a label and labels without an image (stems → origins)."""
+    unlabelled = [origin for stem, origin in stems.items() if stem not in labels]
+    lost = [f"{origin} ({stem})" for stem, (_, origin) in labels.items() if stem not in stems]
+    if stems and not unlabelled and not lost:
+        return
+    problems = [
+        f"{found[0]}{f' (and {len(found) - 1} more)' if len(found) > 1 else ''} has no {what}"
+        for found, what in ((unlabelled, "label"), (lost, "image"))
+        if found
+    ]
+    raise SourceError(
+        f"{display_path(folder)} holds {len(stems)} val images and "
+        f"{display_path(labels_file)} labels {len(labels)}: "
+        f"{'; '.join(problems) or 'no val images'}; each val image needs one label "
+        "(restore the missing images or the label file from the download)"
+    )

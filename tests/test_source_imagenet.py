@@ -1,0 +1,289 @@
+"""The imagenet source reads ILSVRC2012 as Kaggle and the devkit ship it, and refuses bad labels."""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import dlpipe
+from dlpipe.cli import main
+from dlpipe.converters.imagenet import ImageNetSource
+from dlpipe.converters.sources import open_source
+from dlpipe.sample import unescape_key
+
+# wnid-sorted: n01440764 (0), n01443537 (1), n02119789 (2); the devkit numbers them otherwise
+NAMES = {"n02119789": "kit fox, Vulpes macrotis", "n01440764": "tench, Tinca tinca",
+         "n01443537": "goldfish, Carassius auratus"}  # fmt: skip
+DEVKIT_IDS = {1: "n02119789", 2: "n01440764", 3: "n01443537"}  # ILSVRC2012_ID -> wnid
+CLASSES = sorted(NAMES)
+VAL_WNIDS = ["n02119789", "n01440764", "n01443537", "n01440764", "n02119789", "n01443537"]
+PER_CLASS = 3
+KAGGLE_DATA = Path("ILSVRC", "Data", "CLS-LOC")
+DEVKIT_DATA = Path("ILSVRC2012_devkit_t12", "data")
+
+
+def _jpeg(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def val_name(i: int) -> str:
+    return f"ILSVRC2012_val_{i:08d}"
+
+
+def _images(splits: Path) -> None:
+    """train/<wnid>/<wnid>_<n>.JPEG and a flat val/ILSVRC2012_val_<8 digits>.JPEG."""
+    for c, wnid in enumerate(CLASSES):
+        (splits / "train" / wnid).mkdir(parents=True)
+        for n in range(PER_CLASS):
+            (splits / "train" / wnid / f"{wnid}_{n + 1}.JPEG").write_bytes(_jpeg(c * 10 + n))
+    (splits / "val").mkdir()
+    for i in range(1, len(VAL_WNIDS) + 1):
+        (splits / "val" / f"{val_name(i)}.JPEG").write_bytes(_jpeg(100 + i))
+
+
+def make_kaggle(root: Path, *, flat: bool = False) -> Path:
+    """The Kaggle "ImageNet Object Localization Challenge" download, unzipped (or flattened)."""
+    splits = root if flat else root / KAGGLE_DATA
+    splits.mkdir(parents=True, exist_ok=True)
+    _images(splits)
+    if not flat:
+        (splits / "test").mkdir()
+        (splits / "test" / "ILSVRC2012_test_00000001.JPEG").write_bytes(_jpeg(999))
+        (root / "ILSVRC" / "ImageSets" / "CLS-LOC").mkdir(parents=True)
+        (root / "ILSVRC" / "ImageSets" / "CLS-LOC" / "train_cls.txt").write_text("x 1\n")
+    mapping = "".join(f"{w} {NAMES[w]}\n" for w in CLASSES)
+    (root / "LOC_synset_mapping.txt").write_text(mapping)
+    rows = [f"{val_name(i + 1)},{w} 10 12 40 33 {w} 1 2 9 9 \n" for i, w in enumerate(VAL_WNIDS)]
+    random.Random(0).shuffle(rows)  # the real file is not in image order
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "".join(rows))
+    train = [f"{w}_{n + 1},{w} 3 4 50 60 \n" for w in CLASSES for n in range(PER_CLASS)]
+    (root / "LOC_train_solution.csv").write_text("ImageId,PredictionString\n" + "".join(train))
+    (root / "LOC_sample_submission.csv").write_text(
+        "ImageId,PredictionString\nILSVRC2012_test_00000001,n01440764 0 0 1 1\n"
+    )
+    return root
+
+
+def write_meta_mat(path: Path, rows: list[tuple[int, str, str, int]], **savemat: object) -> None:
+    """meta.mat as the devkit ships it: a ``synsets`` struct array with the devkit's fields."""
+    sio = pytest.importorskip("scipy.io")
+    fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children",
+              "wordnet_height", "num_train_images"]  # fmt: skip
+    synsets = np.zeros((len(rows), 1), dtype=[(f, "O") for f in fields])
+    for i, (class_id, wnid, words, children) in enumerate(rows):
+        kids = np.arange(1, children + 1, dtype=np.float64).reshape(1, -1)
+        values = (float(class_id), wnid, words, f"the gloss of {wnid}", float(children),
+                  kids if children else np.zeros((0, 0)), 0.0, 1300.0)  # fmt: skip
+        for name, value in zip(fields, values, strict=True):
+            synsets[i, 0][name] = value
+    sio.savemat(str(path), {"synsets": synsets}, **savemat)  # type: ignore[attr-defined]
+
+
+def make_devkit(root: Path, **savemat: object) -> Path:
+    """train/, val/ and ILSVRC2012_devkit_t12/ as torchvision's ImageNet reads them."""
+    root.mkdir(parents=True, exist_ok=True)
+    _images(root)
+    (root / DEVKIT_DATA).mkdir(parents=True)
+    (root / "ILSVRC2012_devkit_t12" / "evaluation").mkdir()
+    (root / "ILSVRC2012_devkit_t12" / "readme.txt").write_text("ILSVRC2012 devkit\n")
+    rows = [(i, w, NAMES[w], 0) for i, w in DEVKIT_IDS.items()]
+    rows.append((4, "n00001740", "entity", 3))  # an inner synset: not a class
+    write_meta_mat(root / DEVKIT_DATA / "meta.mat", rows, **savemat)
+    ids = {w: i for i, w in DEVKIT_IDS.items()}
+    truth = "".join(f"{ids[w]}\n" for w in VAL_WNIDS)
+    (root / DEVKIT_DATA / "ILSVRC2012_validation_ground_truth.txt").write_text(truth)
+    return root
+
+
+def convert(raw: Path, out: Path, fmt: str = "wds", *extra: str) -> int:
+    return main(["convert", str(raw), "--to", fmt, "--out", str(out), "--workers", "1", *extra])
+
+
+def labels_by_key(out: Path, split: str) -> dict[str, int]:
+    dataset = dlpipe.open_dataset(out, split, rank=0, world_size=1)
+    return {unescape_key(s["__key__"]): int(s["cls"]) for s in dataset}
+
+
+def _check_dataset(out: Path, layout: str) -> dlpipe.Manifest:
+    manifest = dlpipe.read_manifest(str(out))
+    assert list(manifest.classes) == CLASSES
+    assert {k: s.samples for k, s in manifest.splits.items()} == {"train": 9, "val": 6}
+    assert manifest.source["kind"] == "imagenet" and manifest.source["layout"] == layout
+    assert manifest.source["class_names"] == [NAMES[w] for w in CLASSES]
+    assert manifest.source["skipped"] == 0
+    val = labels_by_key(out, "val")
+    assert val == {val_name(i + 1): CLASSES.index(w) for i, w in enumerate(VAL_WNIDS)}
+    train = labels_by_key(out, "train")
+    assert train == {f"{w}/{w}_{n + 1}": c for c, w in enumerate(CLASSES) for n in range(3)}
+    return manifest
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["as-shipped", "flattened"])
+def test_kaggle_converts_both_splits(tmp_path: Path, flat: bool, capsys) -> None:
+    raw = make_kaggle(tmp_path / "imagenet", flat=flat)
+    assert convert(raw, tmp_path / "out") == 0
+    manifest = _check_dataset(tmp_path / "out", "kaggle")
+    test = raw / KAGGLE_DATA / "test"
+    assert manifest.source.get("left_out") == (None if flat else {"test": f"{test}: no labels"})
+    assert "skipped 0 samples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["compressed", "plain"])
+def test_devkit_converts_both_splits(tmp_path: Path, compress: bool) -> None:
+    raw = make_devkit(tmp_path / "imagenet", do_compression=compress)
+    assert convert(raw, tmp_path / "out", "lmdb") == 0
+    _check_dataset(tmp_path / "out", "devkit")
+
+
+def test_detection_by_names(tmp_path: Path) -> None:
+    kaggle = make_kaggle(tmp_path / "kaggle")
+    flat = make_kaggle(tmp_path / "flat", flat=True)
+    devkit = make_devkit(tmp_path / "devkit")
+    for root in (kaggle, flat, devkit):
+        assert open_source(str(root)).kind == "imagenet", root
+    assert not ImageNetSource.detect(str(tmp_path))
+    (flat / "LOC_synset_mapping.txt").unlink()
+    (flat / "LOC_val_solution.csv").unlink()
+    assert open_source(str(flat)).kind == "imagefolder"
+
+
+def _sort_val(val: Path) -> None:
+    """What valprep.sh does: move each val image into its class folder."""
+    for i, wnid in enumerate(VAL_WNIDS, 1):
+        (val / wnid).mkdir(exist_ok=True)
+        (val / f"{val_name(i)}.JPEG").rename(val / wnid / f"{val_name(i)}.JPEG")
+
+
+def test_val_sorted_by_valprep_without_label_files_is_an_imagefolder(tmp_path: Path) -> None:
+    raw = make_kaggle(tmp_path / "raw", flat=True)
+    for name in ("LOC_synset_mapping.txt", "LOC_val_solution.csv", "LOC_train_solution.csv"):
+        (raw / name).unlink()
+    _sort_val(raw / "val")
+    assert convert(raw, tmp_path / "out") == 0
+    manifest = dlpipe.read_manifest(str(tmp_path / "out"))
+    assert manifest.source["kind"] == "imagefolder" and list(manifest.classes) == CLASSES
+    assert manifest.splits["val"].samples == 6
+
+
+def test_val_sorted_with_label_files_keeps_the_labels(tmp_path: Path) -> None:
+    raw = make_kaggle(tmp_path / "raw", flat=True)
+    _sort_val(raw / "val")
+    assert convert(raw, tmp_path / "out") == 0
+    _check_dataset(tmp_path / "out", "kaggle")
+
+
+def _one_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert "Traceback" not in captured.err + captured.out
+    return lines[0]
+
+
+def _kaggle_case(raw: Path, case: str) -> str:
+    """Break a Kaggle layout one way; return what the error must name."""
+    splits = raw / KAGGLE_DATA
+    csv = raw / "LOC_val_solution.csv"
+    if case == "no-val-folder":
+        for p in (splits / "val").iterdir():
+            p.unlink()
+        (splits / "val").rmdir()
+        return f"{splits / 'val'} is missing"
+    if case == "image-without-label":
+        (splits / "val" / f"{val_name(7)}.JPEG").write_bytes(_jpeg(7))
+        return f"{splits / 'val' / val_name(7)}.JPEG has no label"
+    if case == "label-without-image":
+        (splits / "val" / f"{val_name(3)}.JPEG").unlink()
+        return f"({val_name(3)}) has no image"
+    if case == "no-csv":
+        csv.unlink()
+        return f"{csv} is missing"
+    if case == "bad-header":
+        csv.write_text("id,label\n" + csv.read_text().split("\n", 1)[1])
+        return "header 'id,label', expected ImageId,PredictionString"
+    if case == "duplicate-row":
+        csv.write_text(csv.read_text() + f"{val_name(1)},n01440764 1 1 2 2\n")
+        return f"{csv} line 8 repeats its ImageId"
+    if case == "every-label-unknown":
+        csv.write_text(csv.read_text().replace("n0", "n9"))
+        return "nor is any other val label"
+    if case == "bad-mapping":
+        (raw / "LOC_synset_mapping.txt").write_bytes(b"\x89PNG garbage\n")
+        return "not UTF-8 text"
+    if case == "mapping-line":
+        (raw / "LOC_synset_mapping.txt").write_text("tench n01440764\n")
+        return "line 1: 'tench' is not a WordNet id"
+    (splits / "train" / "n99999999").mkdir()
+    (splits / "train" / "n99999999" / "x.JPEG").write_bytes(_jpeg(1))
+    return "'n99999999' is not one of the 3 classes"
+
+
+KAGGLE_CASES = ["no-val-folder", "image-without-label", "label-without-image", "no-csv",
+                "bad-header", "duplicate-row", "every-label-unknown", "bad-mapping",
+                "mapping-line", "unknown-train-class"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", KAGGLE_CASES)
+def test_kaggle_bad_labels_are_one_error_line(tmp_path: Path, case: str, capsys) -> None:
+    raw = make_kaggle(tmp_path / "raw")
+    expected = _kaggle_case(raw, case)
+    files = sorted(raw.rglob("*"))
+    assert convert(raw, tmp_path / "out") == 2
+    line = _one_error(capsys)
+    assert expected in line, line
+    assert not (tmp_path / "out" / "dlpipe.json").exists()
+    assert sorted(raw.rglob("*")) == files  # nothing of the user's touched
+
+
+def _devkit_case(raw: Path, case: str) -> str:
+    truth = raw / DEVKIT_DATA / "ILSVRC2012_validation_ground_truth.txt"
+    meta = raw / DEVKIT_DATA / "meta.mat"
+    if case == "truth-too-long":
+        truth.write_text(truth.read_text() + "2\n")
+        return f"holds 6 val images and {truth} labels 7"
+    if case == "truth-too-short":
+        truth.write_text("".join(truth.read_text().splitlines(keepends=True)[:5]))
+        return f"{raw / 'val' / val_name(6)}.JPEG has no label"
+    if case == "truth-not-a-number":
+        truth.write_text(truth.read_text().replace("3\n", "three\n", 1))
+        return "line 3: 'three' is not an ILSVRC2012_ID"
+    if case == "no-truth":
+        truth.unlink()
+        return f"{truth} is missing"
+    if case == "no-meta":
+        meta.unlink()
+        return f"{meta} is missing"
+    if case == "meta-garbage":
+        meta.write_bytes(b"MATLAB 7.3 MAT-file" + bytes(200))
+        return "no MATLAB 5 header"
+    (raw / "val").rename(raw / "elsewhere")
+    return f"{raw / 'val'} is missing"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "truth-too-long",
+        "truth-too-short",
+        "truth-not-a-number",
+        "no-truth",
+        "no-meta",
+        "meta-garbage",
+        "no-val-folder",
+    ],  # fmt: skip
+)
+def test_devkit_bad_labels_are_one_error_line(tmp_path: Path, case: str, capsys) -> None:
+    raw = make_devkit(tmp_path / "raw")
+    expected = _devkit_case(raw, case)
+    assert convert(raw, tmp_path / "out", "hdf5") == 2
+    line = _one_error(capsys)
+    assert expected in line, line
+    assert not (tmp_path / "out" / "dlpipe.json").exists()
