@@ -13,7 +13,9 @@ Layout (``root`` is the unpacked folder itself, or a folder holding it):
 Each file is a pickled dict with bytes keys: ``b"data"`` (uint8, N x 3072: the R, G and B
 planes of a 32x32 image, row-major), ``b"labels"`` or ``b"fine_labels"`` and ``b"filenames"``.
 They are unpickled by a restricted unpickler that builds nothing but numpy arrays: any other
-global in a file is refused with a `SourceError`, before anything runs.
+global in a file is refused with a `SourceError`, before anything runs. The files are opened
+only as regular files inside the raw folder (a FIFO, a device or a link out of it named
+``data_batch_1`` is not a CIFAR file).
 
 Produces one sample per image: a lossless 32x32 RGB PNG and ``cls``, split ``train`` or
 ``test``, keyed ``cifar10_train_000123`` (the image's index in its split, in file order).
@@ -29,7 +31,16 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dlpipe.converters.source import Item, SampleError, Scan, Source, SourceError
+from dlpipe.converters.source import (
+    Item,
+    SampleError,
+    Scan,
+    Source,
+    SourceError,
+    file_problem,
+    open_regular,
+    raw_folder_of,
+)
 
 __all__ = ["CifarSource", "SafeUnpickler"]
 
@@ -73,10 +84,12 @@ class SafeUnpickler(pickle.Unpickler):
         )
 
 
-def _unpickle(path: str) -> dict[bytes, Any]:
+def _unpickle(path: str, folder: str) -> dict[bytes, Any]:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, folder) as f:
             obj = SafeUnpickler(f, path).load()
+    except SampleError as exc:
+        raise SourceError(f"{exc}; it cannot be a CIFAR file") from exc
     except SourceError:
         raise
     except OSError as exc:
@@ -88,9 +101,9 @@ def _unpickle(path: str) -> dict[bytes, Any]:
     return obj
 
 
-def _read_batch(path: str, labels_key: bytes) -> tuple[np.ndarray, list[int]]:
+def _read_batch(path: str, labels_key: bytes, folder: str) -> tuple[np.ndarray, list[int]]:
     """A batch's images (N x 3072 uint8) and labels, checked; the images cached per process."""
-    batch = _unpickle(path)
+    batch = _unpickle(path, folder)
     data, labels = batch.get(b"data"), batch.get(labels_key)
     if not (
         isinstance(data, np.ndarray)
@@ -134,13 +147,13 @@ class CifarSource(Source):
     def scan(self) -> Scan:
         name, folder = self._layout()
         _, meta_file, names_key, labels_key, splits = _LAYOUTS[name]
-        classes = self._classes(os.path.join(folder, meta_file), names_key)
+        classes = self._classes(os.path.join(folder, meta_file), names_key, self.raw_folder)
         items: list[Item] = []
         for split, files in splits.items():
             start = len(items)
             for file in files:
                 path = os.path.join(folder, file)
-                labels = _read_batch(path, labels_key)[1]
+                labels = _read_batch(path, labels_key, self.raw_folder)[1]
                 for row, label in enumerate(labels):
                     if not isinstance(label, int) or not 0 <= label < len(classes):
                         raise SourceError(
@@ -154,8 +167,8 @@ class CifarSource(Source):
         return Scan(classes=classes, items=tuple(items), description=description)
 
     @staticmethod
-    def _classes(path: str, names_key: bytes) -> tuple[str, ...]:
-        names = _unpickle(path).get(names_key)
+    def _classes(path: str, names_key: bytes, raw_folder: str) -> tuple[str, ...]:
+        names = _unpickle(path, raw_folder).get(names_key)
         if not isinstance(names, list) or not names:
             raise SourceError(f"{path}: no {names_key!r} list of class names")
         return tuple(n.decode("utf-8") if isinstance(n, bytes) else str(n) for n in names)
@@ -169,7 +182,7 @@ class CifarSource(Source):
             stat = os.stat(path)
             data = _cache.get((path, stat.st_mtime_ns, stat.st_size))
             if data is None:
-                data = _read_batch(path, _LAYOUTS[name][3])[0]
+                data = _read_batch(path, _LAYOUTS[name][3], self.raw_folder)[0]
         except (OSError, SourceError) as exc:
             raise SampleError(f"{item.origin}: cannot be read ({exc})") from exc
         if not 0 <= row < len(data):
@@ -183,11 +196,16 @@ class CifarSource(Source):
 def _find(root: str) -> list[tuple[str, str]]:
     """The CIFAR folders at `root` or one level below it: (dataset name, folder)."""
     found = []
+    raw = raw_folder_of(root)
+
+    def regular(path: str) -> bool:
+        return file_problem(path, raw) is None
+
     for name, (shipped, meta_file, _, _, splits) in _LAYOUTS.items():
         for folder in (root, os.path.join(root, shipped)):
             first = (files[0] for files in splits.values())
-            if os.path.isfile(os.path.join(folder, meta_file)) and any(
-                os.path.isfile(os.path.join(folder, f)) for f in first
+            if regular(os.path.join(folder, meta_file)) and any(
+                regular(os.path.join(folder, f)) for f in first
             ):
                 found.append((name, os.path.abspath(folder)))
                 break

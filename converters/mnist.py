@@ -3,7 +3,11 @@
 Layout: ``root/`` (or ``root/raw/``, as torchvision stores them) holds
 ``train-images-idx3-ubyte`` + ``train-labels-idx1-ubyte`` (train) and/or
 ``t10k-images-idx3-ubyte`` + ``t10k-labels-idx1-ubyte`` (test), each plain or gzip-compressed
-with a ``.gz`` suffix (the plain file wins when both exist). An image file is a big-endian
+with a ``.gz`` suffix (the plain file wins when both exist), each a regular file inside the
+raw folder (a FIFO, a device or a link out of it is not an MNIST file). A ``.gz`` file is
+decompressed up to the size its header states, and at most 200 times its compressed size (a
+decompression bomb is refused; MNIST's files expand 4-8 times: decompress a file yourself to
+go past it). An image file is a big-endian
 header (magic ``0x00000803``, count, rows, cols) and count x rows x cols uint8 pixels; a label
 file is magic ``0x00000801``, count and count uint8 labels. Header, file size and the two
 counts are checked.
@@ -25,7 +29,18 @@ import zlib
 import numpy as np
 from PIL import Image
 
-from dlpipe.converters.source import Item, SampleError, Scan, Source, SourceError, SourceOptions
+from dlpipe.converters.source import (
+    Item,
+    SampleError,
+    Scan,
+    Source,
+    SourceError,
+    SourceOptions,
+    display_path,
+    file_problem,
+    open_regular,
+    raw_folder_of,
+)
 
 __all__ = ["FASHION_CLASSES", "MnistSource"]
 
@@ -34,26 +49,50 @@ FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
 _SPLITS = {"train": "train", "test": "t10k"}
 _IMAGES, _LABELS = 0x00000803, 0x00000801
 _PNG_OVERHEAD = 100  # PNG signature, chunks and zlib framing around the pixel bytes
+_MAX_GZIP_RATIO = 200  # decompressed bytes per compressed byte; MNIST's own files: 4-8
 _cache: dict[tuple[str, int, int], np.ndarray] = {}  # per process: (path, mtime, size) -> array
 
 
 def _find_file(folder: str, stem: str) -> str | None:
+    raw = raw_folder_of(folder)
     for name in (stem, stem + ".gz"):
-        if os.path.isfile(os.path.join(folder, name)):
+        if file_problem(os.path.join(folder, name), raw) is None:
             return os.path.join(folder, name)
     return None
 
 
-def _raw_bytes(path: str) -> bytes | np.ndarray:
+def _gunzip(path: str, f: gzip.GzipFile, compressed: int, magic: int) -> bytes:
+    """The decompressed file, read no further than its header's size (and the ratio cap)."""
+    header = f.read(4 + 4 * (magic & 0xFF))
+    if header[:4] != struct.pack(">I", magic):
+        return header  # read_idx names the wrong magic number
+    ndim = magic & 0xFF
+    dims = struct.unpack(f">{ndim}I", header[4:]) if len(header) == 4 + 4 * ndim else ()
+    limit = compressed * _MAX_GZIP_RATIO + (1 << 20)
+    wanted = len(header) + int(np.prod(dims, dtype=np.int64)) if dims else len(header)
+    if wanted > limit:
+        raise SourceError(
+            f"{display_path(path)}: its header {list(dims)} claims {wanted} bytes, over "
+            f"{_MAX_GZIP_RATIO} times its {compressed} compressed bytes (a decompression "
+            "bomb?); decompress it yourself (gunzip) if it is genuine"
+        )
+    return header + f.read(wanted - len(header) + 1)  # one byte more shows a longer file
+
+
+def _raw_bytes(path: str, magic: int) -> bytes | np.ndarray:
     """A file's bytes: a read-only memory map when plain, decompressed once when ``.gz``."""
     try:
-        if path.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        return np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else b""
+        with open_regular(path, raw_folder_of(os.path.dirname(path))) as f:
+            size = os.fstat(f.fileno()).st_size
+            if path.endswith(".gz"):
+                with gzip.GzipFile(fileobj=f, mode="rb") as unzipped:
+                    return _gunzip(path, unzipped, size, magic)
+            return np.memmap(f, dtype=np.uint8, mode="r") if size else b""
+    except SampleError as exc:
+        raise SourceError(f"{exc}; it cannot be an MNIST file") from exc
     except (OSError, EOFError, zlib.error) as exc:
         raise SourceError(
-            f"{path}: cannot be read or decompressed ({exc}); re-download it"
+            f"{display_path(path)}: cannot be read or decompressed ({exc}); re-download it"
         ) from exc
 
 
@@ -67,7 +106,7 @@ def read_idx(path: str, magic: int) -> np.ndarray:
     key = (path, stat.st_mtime_ns, stat.st_size)
     if key in _cache:
         return _cache[key]
-    raw = _raw_bytes(path)
+    raw = _raw_bytes(path, magic)
     ndim = magic & 0xFF
     header = 4 + 4 * ndim
     found = struct.unpack(">I", bytes(raw[:4]))[0] if len(raw) >= 4 else None
