@@ -9,6 +9,7 @@ limit and a timeout, so an unbounded read or a hang fails the test instead of th
 from __future__ import annotations
 
 import os
+import re
 import resource
 import select
 import signal
@@ -16,6 +17,8 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 import torch.utils.data  # noqa: F401 (loaded before a child's address space is limited)
 from conftest import write_dataset
@@ -266,3 +269,197 @@ def test_a_crafted_tar_through_the_cli_is_one_error_line(tmp_path, capsys) -> No
     captured = capsys.readouterr()
     assert "sparse" in captured.out + captured.err
     assert "Traceback" not in captured.out + captured.err
+
+
+# ---------------------------------------------------------------- hdf5: crafted files
+
+SECRET = b"SECRET-BYTES-FROM-OUTSIDE-THE-DATASET"
+CLAIM = 3 << 30  # 3 GiB claimed by a file of a few KB
+
+
+def craft_h5(shard: Path, name: str, make: Callable[[h5py.File, str, np.ndarray], None]) -> None:
+    """Rewrite a real dlpipe HDF5 shard with dataset `name` made by `make(file, name, data)`."""
+    with h5py.File(shard, "r") as f:
+        arrays = {n: f[n][:] for n in f}
+        attrs = dict(f.attrs)
+    shard.unlink()
+    with h5py.File(shard, "w") as f:
+        f.attrs.update(attrs)
+        for n, data in arrays.items():
+            if n == name:
+                make(f, n, data)
+            else:
+                f.create_dataset(n, data=data)
+
+
+def _outside(tmp_path: Path) -> Path:
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(SECRET)
+    with h5py.File(tmp_path / "secret.h5", "w") as f:
+        f.create_dataset("data", data=np.frombuffer(SECRET, np.uint8))
+    return tmp_path
+
+
+def _claim_offsets(f: h5py.File, n: str, data: np.ndarray) -> None:
+    f.create_dataset(n, data=np.linspace(0, CLAIM, len(data)).astype(np.uint64))
+
+
+HDF5_HOSTILE: dict[str, tuple[str, Callable[..., None], str, str]] = {
+    # case: (dataset, make(f, name, data, outside), error, message)
+    "external-link": (
+        "txt",
+        lambda f, n, d, out: f.__setitem__(n, h5py.ExternalLink(str(out / "secret.h5"), "data")),
+        "UnsafeShardError",
+        "holds ExternalLink 'txt'",
+    ),
+    "soft-link": (
+        "txt",
+        lambda f, n, d, out: f.__setitem__(n, h5py.SoftLink("/__key__")),
+        "UnsafeShardError",
+        "holds SoftLink 'txt'",
+    ),
+    "external-raw-storage": (
+        "txt",
+        lambda f, n, d, out: f.create_dataset(
+            n, shape=(len(d),), dtype=np.uint8, external=[(str(out / "secret.bin"), 0, len(d))]
+        ),
+        "UnsafeShardError",
+        "data in external files",
+    ),
+    "virtual-dataset": (
+        "txt",
+        lambda f, n, d, out: f.create_virtual_dataset(n, _vds(out, len(d))),
+        "UnsafeShardError",
+        "virtual (VDS) layout",
+    ),
+    "compressed-chunks": (
+        "txt",
+        lambda f, n, d, out: f.create_dataset(n, data=d, chunks=(4,), compression="gzip"),
+        "UnsafeShardError",
+        "chunked layout",
+    ),
+    "unallocated-chunks-claiming-GBs": (
+        "txt",
+        lambda f, n, d, out: f.create_dataset(n, shape=(CLAIM,), dtype=np.uint8, chunks=(1 << 20,)),
+        "UnsafeShardError",
+        "chunked layout",
+    ),
+    "compact": (
+        "txt",
+        lambda f, n, d, out: f.create_dataset(
+            n, data=d, dcpl=_compact_plist(), shape=d.shape, dtype=d.dtype
+        ),
+        "UnsafeShardError",
+        "compact layout",
+    ),
+    "unallocated-contiguous-claiming-GBs": (
+        "txt",
+        lambda f, n, d, out: f.create_dataset(n, shape=(CLAIM,), dtype=np.uint8),
+        "ShardCorruptError",
+        "claims 3221225472 bytes but 0 are stored",
+    ),
+    "offsets-claiming-GBs": (
+        "txt.offsets",
+        lambda f, n, d, out: _claim_offsets(f, n, d),
+        "ShardCorruptError",
+        "offsets of 'txt' do not run from 0",
+    ),
+    "offsets-decreasing": (
+        "txt.offsets",
+        lambda f, n, d, out: f.create_dataset(n, data=d[[0, 3, 1, 2, 4]]),
+        "ShardCorruptError",
+        "offsets of 'txt' do not run from 0",
+    ),
+    "offsets-wrapping-negative": (
+        "txt.offsets",
+        lambda f, n, d, out: f.create_dataset(n, data=np.array([0, 1 << 63, 5, 15, 20], "u8")),
+        "ShardCorruptError",
+        "offsets of 'txt' do not run from 0",
+    ),
+    "float-labels": (
+        "cls",
+        lambda f, n, d, out: f.create_dataset(n, data=d.astype(np.float64) + 0.5),
+        "ShardCorruptError",
+        "dataset 'cls' is (4,) f8; expected (4,) i8",
+    ),
+    "string-labels": (
+        "cls",
+        lambda f, n, d, out: f.create_dataset(n, data=np.array([b"0", b"1", b"2", b"0"])),
+        "ShardCorruptError",
+        "dataset 'cls' is (4,) S1",
+    ),
+    "two-dimensional-blob": (
+        "txt",
+        lambda f, n, d, out: f.create_dataset(n, data=np.stack([d, d])),
+        "ShardCorruptError",
+        "dataset 'txt' is (2, 20) u1",
+    ),
+    "group-instead-of-dataset": (
+        "txt",
+        lambda f, n, d, out: f.create_group(n),
+        "ShardCorruptError",
+        "'txt' is a Group, not a dataset",
+    ),
+    "missing-dataset": (
+        "txt",
+        lambda f, n, d, out: None,
+        "ShardCorruptError",
+        "holds datasets ['__key__', '__key__.offsets', 'cls', 'txt.offsets']",
+    ),
+    "extra-dataset": (
+        "txt",
+        lambda f, n, d, out: [f.create_dataset(n, data=d), f.create_dataset("evil", data=d)],
+        "ShardCorruptError",
+        "holds datasets ['__key__', '__key__.offsets', 'cls', 'evil', 'txt', 'txt.offsets']",
+    ),
+    "key-with-a-path": (
+        "__key__",
+        lambda f, n, d, out: f.create_dataset(n, data=np.frombuffer(b"..s1s2s3", np.uint8)),
+        "ShardCorruptError",
+        "sample 0: sample key '..' is not allowed",
+    ),
+}
+
+HDF5_PER_SAMPLE = {"key-with-a-path"}  # found when the sample is read, not at open
+
+
+def _vds(out: Path, length: int) -> h5py.VirtualLayout:
+    layout = h5py.VirtualLayout(shape=(length,), dtype=np.uint8)
+    layout[:] = h5py.VirtualSource(str(out / "secret.h5"), "data", shape=(len(SECRET),))[:length]
+    return layout
+
+
+def _compact_plist() -> h5py.h5p.PropDCID:
+    plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    plist.set_layout(h5py.h5d.COMPACT)
+    return plist
+
+
+@pytest.mark.parametrize("case", sorted(HDF5_HOSTILE))
+def test_crafted_hdf5_is_refused_before_any_read(case, tmp_path) -> None:
+    name, make, error, message = HDF5_HOSTILE[case]
+    out = _outside(tmp_path)
+    path = tiny_dataset(tmp_path, "hdf5")
+    shard = first_shard(path)
+    craft_h5(shard, name, lambda f, n, d: make(f, n, d, out))
+    resync_manifest(path)
+    assert shard.stat().st_size < 64 << 10
+
+    def read() -> None:
+        samples = read_all(path)
+        assert not any(SECRET[:10] in s.get("txt", b"") for s in samples), "read outside"
+
+    outcome = in_bounded_child(read)
+    assert outcome.startswith(f"{error}: shard {shard}"), outcome
+    assert message in outcome
+    if case in HDF5_PER_SAMPLE:
+        return
+    with pytest.raises(dlpipe.ShardCorruptError, match=re.escape(message)):  # at open
+        dlpipe.formats.FORMATS["hdf5"].reader(
+            str(shard), dlpipe.read_manifest(path).splits["train"].shards[0], ["cls", "txt"]
+        ).check()
+
+
+def test_plain_dlpipe_hdf5_shards_pass_the_checks(tmp_path) -> None:
+    path = tiny_dataset(tmp_path, "hdf5", [*TINY, {"__key__": "e", "cls": b"1", "txt": b""}])
+    assert [s["txt"] for s in read_all(path)] == [b"hello"] * 4 + [b""]

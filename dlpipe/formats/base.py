@@ -141,6 +141,7 @@ class ShardReader(ABC):
         self.fields = tuple(fields)
         self._handle: Any = None
         self._pid: int | None = None
+        self.file_id: tuple[int, int] | None = None  # (st_dev, st_ino) checked at open, local
         for name in self.fields:
             check_field_name(name)
 
@@ -192,6 +193,7 @@ class ShardReader(ABC):
                 if not stat.S_ISREG(st.st_mode):
                     raise _not_regular(self.path, _file_kind(st.st_mode))
                 size = st.st_size
+                self.file_id = (st.st_dev, st.st_ino)
         except FileNotFoundError:
             raise ShardCorruptError(
                 f"shard {self.path} is missing; the manifest lists it "
@@ -208,6 +210,21 @@ class ShardReader(ABC):
         return ShardCorruptError(
             f"{where}: {message}; run `dlpipe verify` on the dataset and re-convert it"
         )
+
+    def unsafe(self, found: str, index: int | None = None) -> UnsafeShardError:
+        """An `UnsafeShardError`: this shard holds `found`, which dlpipe never writes."""
+        where = f"shard {self.path}" + (f", sample {index}" if index is not None else "")
+        return UnsafeShardError(
+            f"{where}: holds {found}, which dlpipe never writes, so it is refused (a dataset "
+            "must not read outside its folder or without bound); re-convert the dataset"
+        )
+
+    def check_same_file(self, st: os.stat_result) -> None:
+        """The file opened is the one checked at open (not swapped for a link or a new file)."""
+        if not stat.S_ISREG(st.st_mode) or st.st_size != self.info.bytes:
+            raise self.corrupt("changed while it was opened (replaced under the reader)")
+        if self.file_id is not None and (st.st_dev, st.st_ino) != self.file_id:
+            raise self.corrupt("changed while it was opened (replaced under the reader)")
 
     @abstractmethod
     def _open(self) -> Any:

@@ -11,6 +11,13 @@ Layout of ``{split}-{n:06d}.h5`` (all datasets contiguous, in the root group):
 - Root attributes: ``dlpipe_format = "hdf5"``, ``format_version = 1``, ``samples = n``,
   ``fields`` = the field names as a JSON list.
 
+On read a shard is untrusted input. At open, before any data is read, the root group must hold
+exactly these datasets as hard links (soft and external links are refused, never followed), each
+1-D, of its dtype, contiguous in the file, with no filters, no external raw storage and not
+virtual, fully allocated and lying inside the file; the offsets must start at 0, never decrease
+and end at the blob's length. So every read is bounded by the file's size and nothing outside
+the file is read. Chunked, compressed or compact datasets are refused: dlpipe never writes them.
+
 The blob layout was chosen over variable-length (``vlen``) datasets by measurement
 (``benchmarks/hdf5_layout.py``; figures in the README). Read it with plain h5py::
 
@@ -23,6 +30,7 @@ The blob layout was chosen over variable-length (``vlen``) datasets by measureme
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +44,12 @@ from dlpipe.sample import KEY_FIELD, Sample
 __all__ = ["HDF5"]
 
 _INT_FIELD = "cls"
+_OFFSETS = ".offsets"
+_LAYOUT_NAMES = {
+    h5py.h5d.COMPACT: "compact",
+    h5py.h5d.CHUNKED: "chunked",
+    getattr(h5py.h5d, "VIRTUAL", 3): "virtual (VDS)",
+}
 _READ_AHEAD_BYTES = 1 << 20
 
 
@@ -81,17 +95,23 @@ class Hdf5Writer(ShardFileWriter):
 
 
 class _OpenShard:
-    """The open file plus each blob field's offsets, read once per process."""
+    """The open file, its checked datasets, and each blob field's offsets, read once per process."""
 
-    def __init__(self, path: str, names: tuple[str, ...]) -> None:
+    def __init__(self, reader: Hdf5Reader) -> None:
+        path = reader.path
         self.fileobj = storage.open_read(path) if storage.is_url(path) else None
         self.file = h5py.File(self.fileobj or storage.local_path(path), "r")
         try:
-            self.datasets = {n: self.file[n] for n in names}
+            if self.fileobj is None:  # the file HDF5 opened is the regular file checked at open
+                reader.check_same_file(os.fstat(self.file.id.get_vfd_handle()))
+            self.datasets = _checked_datasets(self.file, reader)
             self.offsets = {
-                n: self.file[f"{n}.offsets"][:].astype(np.int64) for n in names if n != _INT_FIELD
+                n: _checked_offsets(n, self.datasets, reader)
+                for n in self.datasets
+                if n != _INT_FIELD and not n.endswith(_OFFSETS)
             }
-            self.labels = self.file[_INT_FIELD][:] if _INT_FIELD in names else None
+            labels = self.datasets.get(_INT_FIELD)
+            self.labels = labels[:] if labels is not None else None
             # where each sample ends in all blobs together, to size sequential reads
             self.sample_ends = np.sum(list(self.offsets.values()), axis=0)
         except Exception:
@@ -104,19 +124,85 @@ class _OpenShard:
             self.fileobj.close()
 
 
+def _expected(reader: Hdf5Reader) -> dict[str, tuple[str, int | None]]:
+    """Dataset name -> (dtype kind + bytes, length or None), as `Hdf5Writer` writes them."""
+    n = reader.info.samples
+    out: dict[str, tuple[str, int | None]] = {}
+    for name in (KEY_FIELD, *reader.fields):
+        if name == _INT_FIELD:
+            out[name] = ("i8", n)
+        else:
+            out[name] = ("u1", None)
+            out[name + _OFFSETS] = ("u8", n + 1)
+    return out
+
+
+def _checked_datasets(file: h5py.File, reader: Hdf5Reader) -> dict[str, h5py.Dataset]:
+    """The root's datasets, each checked against what the writer writes, before any is read."""
+    expected = _expected(reader)
+    names = list(file)  # link names; listing them follows none
+    for name in names:
+        link = file.get(name, getlink=True)
+        if not isinstance(link, h5py.HardLink):
+            raise reader.unsafe(f"{type(link).__name__} {name!r}")
+    if set(names) != set(expected):
+        raise reader.corrupt(
+            f"holds datasets {sorted(names)}; a dlpipe shard of fields "
+            f"{sorted(reader.fields)} holds {sorted(expected)}"
+        )
+    datasets = {}
+    for name, (dtype, length) in expected.items():
+        obj = file.get(name)
+        if not isinstance(obj, h5py.Dataset):
+            raise reader.corrupt(f"{name!r} is a {type(obj).__name__}, not a dataset")
+        _check_dataset(name, obj, dtype, length, reader)
+        datasets[name] = obj
+    return datasets
+
+
+def _check_dataset(
+    name: str, ds: h5py.Dataset, dtype: str, length: int | None, reader: Hdf5Reader
+) -> None:
+    """One dataset is 1-D, of `dtype`, contiguous, unfiltered, local and fully in the file."""
+    plist = ds.id.get_create_plist()
+    if plist.get_external_count():
+        raise reader.unsafe(f"dataset {name!r} with its data in external files")
+    layout = plist.get_layout()
+    if layout != h5py.h5d.CONTIGUOUS:
+        kind = _LAYOUT_NAMES.get(layout, f"layout {layout}")
+        raise reader.unsafe(f"dataset {name!r} with a {kind} layout")
+    if plist.get_nfilters():
+        raise reader.unsafe(f"dataset {name!r} with filters (compression or user-defined)")
+    found = f"{ds.dtype.kind}{ds.dtype.itemsize}"
+    if ds.ndim != 1 or found != dtype or (length is not None and ds.shape[0] != length):
+        want = f"({length if length is not None else 'n'},) {dtype}"
+        raise reader.corrupt(f"dataset {name!r} is {ds.shape} {found}; expected {want}")
+    nbytes = ds.shape[0] * ds.dtype.itemsize
+    if nbytes == 0:
+        return
+    offset = ds.id.get_offset()
+    if ds.id.get_storage_size() != nbytes or offset is None or offset + nbytes > reader.info.bytes:
+        raise reader.corrupt(
+            f"dataset {name!r} claims {nbytes} bytes but {ds.id.get_storage_size()} are stored "
+            f"at byte {offset} of a {reader.info.bytes}-byte file (unallocated or outside it)"
+        )
+
+
+def _checked_offsets(name: str, datasets: dict[str, h5py.Dataset], reader: Hdf5Reader) -> Any:
+    """A blob's offsets as int64: from 0, never decreasing, ending at the blob's length."""
+    offsets = datasets[name + _OFFSETS][:].astype(np.int64)
+    if offsets[0] != 0 or offsets[-1] != datasets[name].shape[0] or np.any(np.diff(offsets) < 0):
+        raise reader.corrupt(
+            f"offsets of {name!r} do not run from 0 up to its {datasets[name].shape[0]} bytes"
+        )
+    return offsets
+
+
 class Hdf5Reader(ShardReader):
     random_access = True
 
     def _open(self) -> Any:
-        shard = _OpenShard(self.path, (KEY_FIELD, *self.fields))
-        for name, offsets in shard.offsets.items():
-            if (
-                len(offsets) != self.info.samples + 1
-                or offsets[-1] != shard.datasets[name].shape[0]
-            ):
-                shard.close()
-                raise ValueError(f"offsets of {name!r} do not match its data or the manifest")
-        return shard
+        return _OpenShard(self)
 
     def get(self, index: int) -> Sample:
         return next(self._read(index, index + 1))

@@ -124,7 +124,9 @@ class WdsReader(ShardReader):
         except ShardCorruptError:
             raise
         except _RefusedHeader as exc:
-            raise self.unsafe(f"{exc}; dlpipe never writes one and refuses it", index) from None
+            raise self.unsafe_member(
+                f"{exc}; dlpipe never writes one and refuses it", index
+            ) from None
         except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
             raise self.corrupt(f"is not a readable tar ({exc})", index) from exc
         if index != self.info.samples:
@@ -134,12 +136,14 @@ class WdsReader(ShardReader):
         if storage.is_url(self.path):
             return storage.open_read(self.path)
         f = open_regular_file(storage.local_path(self.path))
-        if os.fstat(f.fileno()).st_size != self.info.bytes:
+        try:
+            self.check_same_file(os.fstat(f.fileno()))
+        except ShardCorruptError:
             f.close()
-            raise self.corrupt("changed size while it was opened (replaced under the reader)")
+            raise
         return f
 
-    def unsafe(self, message: str, index: int | None = None) -> UnsafeMemberError:
+    def unsafe_member(self, message: str, index: int | None = None) -> UnsafeMemberError:
         """An `UnsafeMemberError` naming this shard (and the sample index, when known)."""
         return UnsafeMemberError(str(self.corrupt(message, index)))
 
@@ -186,7 +190,7 @@ def _group(
 def _check_extent(member: tarfile.TarInfo, reader: WdsReader, index: int) -> None:
     """A member is plain and its data lies inside the shard file, before any of it is read."""
     if member.issparse() or any(k.startswith("GNU.sparse.") for k in member.pax_headers):
-        raise reader.unsafe(
+        raise reader.unsafe_member(
             f"member {member.name!r} is a sparse file (its holes expand to any size); dlpipe "
             "never writes one and refuses it",
             index,
