@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from dlpipe.converters.source import Source, SourceError, SourceOptions
+from dlpipe.converters.source import Source, SourceError, SourceOptions, display_path
 
 __all__ = ["SOURCE_KINDS", "open_source"]
 
@@ -33,7 +33,14 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
         SourceError: `root` does not exist, or no known layout matches (the message lists them).
     """
     if not os.path.exists(root):
-        raise SourceError(f"{root} does not exist; give the folder (or table file) of raw data")
+        raise SourceError(
+            f"{display_path(root)} does not exist; give the folder (or table file) of raw data"
+        )
+    if not (os.path.isdir(root) or os.path.isfile(root)):
+        raise SourceError(
+            f"{display_path(root)} is not a folder or a regular file (a FIFO, a device, a "
+            "socket?); give the folder (or table file) of raw data"
+        )
     if kind != "auto":
         if kind not in SOURCE_KINDS:
             raise SourceError(
@@ -45,7 +52,7 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
         if cls.detect(root):
             return cls(root, options)
     raise SourceError(
-        f"{root}: cannot tell its layout (none of {', '.join(SOURCE_KINDS)} matches: expected "
-        "class folders of images, a CSV/JSONL/Parquet table, key.ext files, or CIFAR/MNIST "
-        "files as shipped); name it with --source"
+        f"{display_path(root)}: cannot tell its layout (none of {', '.join(SOURCE_KINDS)} "
+        "matches: expected class folders of images, a CSV/JSONL/Parquet table, key.ext "
+        "files, or CIFAR/MNIST files as shipped); name it with --source"
     )

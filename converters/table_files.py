@@ -190,8 +190,7 @@ def _parse_table(
     fmt = TABLE_SUFFIXES[os.path.splitext(path)[1].lower()]
     if os.fstat(f.fileno()).st_size == 0:
         raise SourceError(
-            f"{display_path(path)}: the table file is empty; remove it or give it a header "
-            "and rows"
+            f"{display_path(path)}: the table file is empty; remove it or give it a header and rows"
         )
     try:
         if fmt == "parquet":
