@@ -8,9 +8,8 @@ the manifest, last → remove the journal. A crash at any point leaves no manife
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import shlex
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,33 +18,54 @@ from typing import Any
 
 from dlpipe import storage
 from dlpipe.codecs import field_type
-from dlpipe.converters.executors import run_local, run_ray
+from dlpipe.converters.executors import EngineError, run_local, run_ray
 from dlpipe.converters.images import ImagePolicy
 from dlpipe.converters.journal import Journal, ResumeError
 from dlpipe.converters.plan import Plan, make_plan
 from dlpipe.converters.source import Scan, SourceError, SourceOptions
 from dlpipe.converters.sources import open_source
-from dlpipe.converters.worker import TaskResult, WorkerConfig
+from dlpipe.converters.worker import OutputFullError, TaskResult, WorkerConfig, is_disk_full
 from dlpipe.errors import DlpipeError, OutputExistsError
 from dlpipe.formats import get_format, require_storage
-from dlpipe.formats.writer import class_counts, prepare_output, remove_staging
+from dlpipe.formats.writer import (
+    ERRORS_NAME,
+    KEYS_NAME,
+    class_counts,
+    dataset_entries,
+    prepare_output,
+    remove_staging,
+)
 from dlpipe.manifest import MANIFEST_NAME, Manifest, SplitInfo, read_manifest, write_manifest
+from dlpipe.storage import DiskSpaceError
 
 __all__ = [
     "ConvertConfig",
     "ConvertResult",
     "DiskSpaceError",
+    "OutputInsideRawError",
     "PlannedConversion",
     "convert",
     "default_out",
     "plan_conversion",
 ]
 
-ERRORS_NAME = "errors.jsonl"
+_FLAGS = {  # ConvertConfig field -> the flag that sets it, for the commands hints print
+    "source": "--source",
+    "image_col": "--image-col",
+    "label_col": "--label-col",
+    "shard_bytes": "--shard-size",
+    "max_side": "--max-side",
+    "quality": "--quality",
+    "val_fraction": "--val-fraction",
+    "seed": "--seed",
+    "on_error": "--on-error",
+    "engine": "--engine",
+    "ray_address": "--ray-address",
+}
 
 
-class DiskSpaceError(DlpipeError, OSError):
-    """The output filesystem has less free space than the conversion needs."""
+class OutputInsideRawError(DlpipeError, ValueError):
+    """The output folder is the raw folder or inside it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +105,19 @@ class ConvertConfig:
     def output(self) -> str:
         """``--out``, or `default_out` when it is not given."""
         return self.out or default_out(self.raw, self.to)
+
+    def command(self, action: str) -> str:
+        """The ``dlpipe convert`` command line that repeats this conversion with `action`.
+
+        Every option that shapes the output is in it, so the printed ``--resume`` command
+        matches the interrupted run's plan.
+        """
+        default = ConvertConfig(raw=self.raw, to=self.to)
+        parts = ["dlpipe", "convert", self.raw, "--to", self.to, "--out", self.output()]
+        for name, flag in _FLAGS.items():
+            if getattr(self, name) != getattr(default, name):
+                parts += [flag, str(getattr(self, name))]
+        return shlex.join([*parts, action])
 
     def output_options(self, image_field: str, source_kind: str) -> dict[str, Any]:
         """The options that shape the output (recorded in the manifest and the plan)."""
@@ -154,6 +187,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     fmt = get_format(config.to)
     out = config.output()
     require_storage(fmt, out)
+    check_out_outside_raw(config)
     options = SourceOptions(image_col=config.image_col, label_col=config.label_col)
     source = open_source(config.raw, config.source, options)
     scan = source.scan()
@@ -170,7 +204,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         seed=config.seed,
         val_fraction=config.val_fraction,
         shard_bytes=config.shard_bytes,
-        options=recorded,
+        options={**recorded, "image_col": config.image_col, "label_col": config.label_col},
     )
     return PlannedConversion(
         source=source,
@@ -178,6 +212,30 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         worker=WorkerConfig(out=out, format=fmt.name, image=image, on_error=config.on_error),
         options=recorded,
         description={**scan.description, "samples": len(scan.items)},
+    )
+
+
+def check_out_outside_raw(config: ConvertConfig) -> None:
+    """Refuse an output folder that is the raw folder or inside it (compared as real paths).
+
+    Writing there would put shards among the user's raw files, and the next scan would read
+    the output as raw data (a new class, or new samples).
+    """
+    out = config.output()
+    if storage.is_url(out):
+        return
+    raw = os.path.realpath(config.raw)
+    same = os.path.realpath(storage.local_path(out)) == raw
+    if not same and not (os.path.isdir(raw) and storage.is_within(out, raw)):
+        return
+    where = "is the raw folder itself" if same else f"is inside the raw folder {raw}"
+    given = f"--out {out}" if config.out else f"the default output {out} (from DLPIPE_DATA_DIR)"
+    suggestion = default_out(config.raw, config.to)
+    if storage.is_within(suggestion, raw):
+        suggestion = os.path.join(os.path.dirname(raw), f"{os.path.basename(raw)}-{config.to}")
+    raise OutputInsideRawError(
+        f"{given} {where}; dlpipe never writes into the data it reads (the next run would "
+        f"read its shards as raw data): choose an output outside it, e.g. --out {suggestion}"
     )
 
 
@@ -208,13 +266,45 @@ def convert(
     """
     start = time.perf_counter()
     planned = plan_conversion(config)
+    resume = config.command("--resume")
+    try:
+        with storage.output_lock(planned.worker.out):
+            return _run(config, planned, start, on_start, on_progress)
+    except EngineError as exc:
+        raise EngineError(f"{exc}; finish the conversion with `{resume}`") from None
+    except OSError as exc:
+        if isinstance(exc, DlpipeError) and not isinstance(exc, OutputFullError):
+            raise
+        if not is_disk_full(exc):
+            raise
+        raise OutputFullError(
+            f"{_full_reason(exc, planned.worker.out)}; no manifest was written and finished "
+            f"shards are kept: free space there, then finish with `{resume}` (or choose "
+            "another --out on a bigger disk)"
+        ) from None
+
+
+def _full_reason(exc: OSError, out: str) -> str:
+    if isinstance(exc, OutputFullError):
+        return str(exc)
+    what = os.path.basename(str(exc.filename)) if exc.filename else "the output"
+    return f"{out}: the disk filled up while writing {what} ({exc.strerror or exc})"
+
+
+def _run(
+    config: ConvertConfig,
+    planned: PlannedConversion,
+    start: float,
+    on_start: Callable[[Plan], None] | None,
+    on_progress: Progress | None,
+) -> ConvertResult:
     plan, worker = planned.plan, planned.worker
     out, journal = worker.out, Journal(worker.out)
     done = _prepare(out, journal, plan, config)
     pending = [t for t in plan.tasks if t.name not in done]
     check_disk(out, sum(it.size for t in pending for it in t.items))
     if not done:
-        journal.start(plan.fingerprint)
+        journal.start(plan)
     if on_start is not None:
         on_start(plan)
     if config.engine == "ray":
@@ -246,24 +336,28 @@ def _prepare(
     out: str, journal: Journal, plan: Plan, config: ConvertConfig
 ) -> dict[str, TaskResult]:
     """Make `out` ready; returns the shards an interrupted run already finished (``--resume``)."""
-    names = [n for n in storage.listdir(out) if not n.startswith(".dlpipe-tmp-")]
+    names = dataset_entries(out)
+    overwrite = config.command("--overwrite")
     if config.resume and journal.exists():
-        journal.check_plan(plan.fingerprint, out)
+        journal.check_plan(plan, overwrite)
         remove_staging(out)
         return {n: r for n, r in journal.finished().items() if _shard_intact(out, r)}
     if config.resume and MANIFEST_NAME in names:
-        raise ResumeError(f"{out} is already a complete dataset; nothing to resume")
+        raise ResumeError(
+            f"{out} is already a complete dataset; nothing to resume (to convert again, run "
+            f"`{overwrite}`)"
+        )
     if names and not config.overwrite and not config.resume:
         raise OutputExistsError(
             f"{out} is not empty ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
-            "pass --resume to finish an interrupted conversion, --overwrite to replace it, "
-            "or choose another --out"
+            f"finish an interrupted conversion with `{config.command('--resume')}`, replace "
+            f"the dataset with `{overwrite}`, or choose another --out"
         )
     if names and config.resume:
-        raise ResumeError(f"{out} holds files but no journal to resume from; use --overwrite")
-    prepare_output(out, overwrite=True)
-    if journal.exists() or storage.exists(journal.folder):
-        journal.remove()
+        raise ResumeError(
+            f"{out} holds files but no journal to resume from; start again with `{overwrite}`"
+        )
+    prepare_output(out, overwrite=True, planned=[t.name for t in plan.tasks])
     return {}
 
 
@@ -277,37 +371,34 @@ def _shard_intact(out: str, result: TaskResult) -> bool:
 
 
 def check_disk(out: str, estimated_bytes: int) -> None:
-    """Refuse when the target filesystem lacks room; warn when it is the system disk."""
-    if storage.is_url(out):
-        return
-    probe = storage.existing_ancestor(out)
-    needed = int(estimated_bytes * 1.1) + (16 << 20)
-    free = shutil.disk_usage(probe).free
-    if needed > free:
-        raise DiskSpaceError(
-            f"{out}: the conversion needs about {needed / 1e9:.2f} GB but {free / 1e9:.2f} GB "
-            "is free there; free space, or point --out (or DLPIPE_DATA_DIR) at a bigger disk"
-        )
+    """Refuse when the target filesystem lacks room for the estimate plus a margin."""
+    storage.require_free_space(out, int(estimated_bytes * 1.1) + (16 << 20))
 
 
 def _finish(
     planned: PlannedConversion, ordered: list[TaskResult], skipped: list[dict[str, Any]]
 ) -> Manifest:
-    """``errors.jsonl`` (when samples were skipped), then the manifest, last."""
+    """``errors.jsonl`` (when samples were skipped), ``keys.jsonl`` (when keys were shortened),
+    then the manifest, last."""
     plan, out = planned.plan, planned.worker.out
+    if skipped:
+        storage.atomic_write_jsonl(storage.join(out, ERRORS_NAME), skipped)
     splits: dict[str, SplitInfo] = {}
     for split in plan.splits():
         results = [r for r in ordered if r.split == split]
         shards = tuple(r.info for r in results if r.info is not None)
         if not shards:
-            raise SourceError(f"every sample of split {split!r} was skipped; see {ERRORS_NAME}")
+            raise SourceError(
+                f"every sample of split {split!r} was skipped, so no dataset was written; the "
+                f"reasons are listed in {storage.join(out, ERRORS_NAME)}"
+            )
         labels = [label for r in results for label in r.labels]
         splits[split] = SplitInfo(
             shards=shards, class_counts=class_counts(split, labels, len(plan.classes))
         )
-    if skipped:
-        lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in skipped)
-        storage.atomic_write_bytes(storage.join(out, ERRORS_NAME), lines.encode())
+    shortened = _shortened_keys(plan, skipped)
+    if shortened:
+        storage.atomic_write_jsonl(storage.join(out, KEYS_NAME), shortened)
     fmt = get_format(planned.worker.format)
     manifest = Manifest(
         format=fmt.name,
@@ -316,10 +407,22 @@ def _finish(
         splits=splits,
         classes=plan.classes,
         options=planned.options,
-        source={**planned.description, "skipped": len(skipped)},
+        source={**planned.description, "skipped": len(skipped), "shortened_keys": len(shortened)},
     )
     write_manifest(out, manifest)
     return read_manifest(out)
+
+
+def _shortened_keys(plan: Plan, skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``{"key", "original", "split"}`` for every written sample whose key was shortened."""
+    dropped = {s["key"] for s in skipped}
+    records = [
+        {"key": it.key, "original": it.original, "split": t.split}
+        for t in plan.tasks
+        for it in t.items
+        if it.original is not None and it.key not in dropped
+    ]
+    return sorted(records, key=lambda r: (r["key"], r["split"]))
 
 
 def _fields(results: list[TaskResult]) -> dict[str, str]:

@@ -6,9 +6,17 @@ orders them by the plan, so the output does not depend on which one ran.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 
 from dlpipe.converters.plan import ShardTask
 from dlpipe.converters.source import Source
@@ -31,7 +39,12 @@ def run_local(
             yield write_task(source, task, config)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
+    with ProcessPoolExecutor(
+        max_workers=min(workers, len(tasks)),
+        mp_context=context,
+        initializer=worker_init,
+        initargs=(os.getpid(),),
+    ) as pool:
         pending: set[Future[TaskResult]] = {
             pool.submit(write_task, source, task, config) for task in tasks
         }
@@ -39,10 +52,56 @@ def run_local(
             while pending:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
-                    yield future.result()
+                    yield _local_result(future)
         finally:
             for future in pending:
                 future.cancel()
+
+
+def _local_result(future: Future[TaskResult]) -> TaskResult:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise EngineError(
+            "a conversion worker process died (killed, or out of memory) before its shard "
+            "was finished; the finished shards are kept"
+        ) from None
+
+
+def worker_init(parent_pid: int) -> None:
+    """Set up a pool worker: it dies with its parent, and leaves signals to the parent.
+
+    A parent killed with SIGKILL (the OOM killer) runs no cleanup, so each worker must notice
+    by itself: on Linux the kernel sends it SIGKILL (``PR_SET_PDEATHSIG``); elsewhere, and as
+    a backstop, a daemon thread checks the parent pid every second. SIGINT and SIGTERM sent to
+    the whole process group (Ctrl-C, Slurm) are ignored here: the main process decides, and
+    the workers follow it when it exits.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # no prctl: the watcher thread still ends the worker
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def run_ray(

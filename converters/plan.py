@@ -14,7 +14,8 @@ import json
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,9 +40,16 @@ class ShardTask:
 
 @dataclass(frozen=True)
 class Plan:
+    """The shard tasks, the class names, and the fingerprint of everything that shaped them.
+
+    `options` are the options folded into the fingerprint (the journal records them, so a
+    refused ``--resume`` can name what changed).
+    """
+
     classes: tuple[str, ...]
     tasks: tuple[ShardTask, ...]
     fingerprint: str
+    options: dict[str, Any] = field(default_factory=dict)
 
     def splits(self) -> list[str]:
         return list(dict.fromkeys(t.split for t in self.tasks))
@@ -74,7 +82,8 @@ def make_plan(
         seed: seeds the shuffle and the val split.
         val_fraction: fraction of each class moved to ``val`` when the source has no splits.
         shard_bytes: target bytes per shard, or None for `default_shard_bytes`.
-        options: every option that changes the output, folded into the fingerprint.
+        options: every option that changes the output, folded into the fingerprint (with the
+            class names).
     """
     _check_unique(scan.items)
     by_split = _assign_splits(scan.items, seed, val_fraction)
@@ -87,7 +96,8 @@ def make_plan(
         for index, chunk in enumerate(_cut(shuffled, target)):
             name = fmt.shard_name(split, index)
             tasks.append(ShardTask(split=split, name=name, items=tuple(chunk)))
-    return Plan(classes=scan.classes, tasks=tuple(tasks), fingerprint=_fingerprint(tasks, options))
+    fingerprint = _fingerprint(tasks, options, scan.classes)
+    return Plan(classes=scan.classes, tasks=tuple(tasks), fingerprint=fingerprint, options=options)
 
 
 def _check_unique(items: Sequence[Item]) -> None:
@@ -139,8 +149,9 @@ def _cut(items: list[Item], target: int) -> list[list[Item]]:
     return shards if shards[0] else []
 
 
-def _fingerprint(tasks: Sequence[ShardTask], options: dict) -> str:
+def _fingerprint(tasks: Sequence[ShardTask], options: dict, classes: Sequence[str]) -> str:
     digest = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode())
+    digest.update(json.dumps(list(classes)).encode())
     for task in tasks:
         digest.update(task.name.encode())
         for it in task.items:

@@ -7,6 +7,8 @@ retry after a crash, writes the same bytes.
 
 from __future__ import annotations
 
+import errno
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,11 +16,35 @@ from typing import Any
 from dlpipe.converters.images import ImagePolicy, prepare_image
 from dlpipe.converters.plan import ShardTask
 from dlpipe.converters.source import SampleError, Source
+from dlpipe.errors import DlpipeError
 from dlpipe.formats import get_format, write_shard
+from dlpipe.formats.writer import record_shard_intent
 from dlpipe.manifest import ShardInfo
 from dlpipe.sample import Sample
 
-__all__ = ["TaskResult", "WorkerConfig", "write_task"]
+__all__ = ["OutputFullError", "TaskResult", "WorkerConfig", "is_disk_full", "write_task"]
+
+_ADDRESS_RE = re.compile(r" at 0x[0-9A-Fa-f]+")
+
+
+class OutputFullError(DlpipeError, OSError):
+    """The output's filesystem filled up while writing (``errno`` is ENOSPC)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self) -> tuple[type[OutputFullError], tuple[str]]:
+        return type(self), (str(self.strerror),)  # crosses from a worker process intact
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for an out-of-space or over-quota error, however the library worded it."""
+    if not isinstance(exc, OSError):
+        return False
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(exc)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,9 +80,17 @@ def write_task(source: Source, task: ShardTask, config: WorkerConfig) -> TaskRes
     result = TaskResult(split=task.split, name=task.name, info=None)
     samples = _samples(source, task, config, result)
     try:
+        record_shard_intent(config.out, task.name)
         result.info = write_shard(get_format(config.format), config.out, task.name, samples)
     except _EmptyShard:
         result.info = None  # every sample was skipped: no shard, the skips are reported
+    except OSError as exc:
+        if isinstance(exc, OutputFullError) or not is_disk_full(exc):
+            raise
+        raise OutputFullError(
+            f"{config.out}: the disk filled up while writing shard {task.name} "
+            f"({exc.strerror or exc})"
+        ) from None
     return result
 
 
@@ -82,7 +116,8 @@ def _samples(
         except SampleError as exc:
             if config.on_error == "fail":
                 raise SampleError(f"{exc} (use --on-error skip to skip such samples)") from exc
-            result.skipped.append({"key": item.key, "origin": item.origin, "error": str(exc)})
+            message = _ADDRESS_RE.sub("", str(exc))  # the same text run to run
+            result.skipped.append({"key": item.key, "origin": item.origin, "error": message})
             continue
         if item.label is not None:
             sample["cls"] = str(item.label).encode("ascii")

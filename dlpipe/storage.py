@@ -8,29 +8,53 @@ by uploading the finished file in one put (an object appears whole or not at all
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
+import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
+from dlpipe.errors import DlpipeError
+
 __all__ = [
+    "LOCK_NAME",
+    "DiskSpaceError",
+    "OutputLockedError",
     "atomic_write_bytes",
+    "atomic_write_jsonl",
     "existing_ancestor",
     "exists",
     "is_url",
+    "is_within",
     "join",
     "listdir",
     "local_path",
     "makedirs",
     "on_system_disk",
     "open_read",
+    "output_lock",
     "publish_file",
     "read_bytes",
     "remove",
+    "require_free_space",
     "size",
     "staging_dir",
     "sync_dir",
 ]
+
+LOCK_NAME = ".dlpipe-lock"
+"""The lock file a writer holds in a local output folder; kept after the run (tiny, hidden)."""
+
+
+class OutputLockedError(DlpipeError, OSError):
+    """Another dlpipe process is writing the same output folder."""
+
+
+class DiskSpaceError(DlpipeError, OSError):
+    """The output filesystem has less free space than the conversion needs."""
 
 
 def is_url(path: str) -> bool:
@@ -130,6 +154,29 @@ def existing_ancestor(path: str) -> str:
     return probe
 
 
+def is_within(path: str, folder: str) -> bool:
+    """True when local `path` is strictly inside `folder`, comparing real paths (links resolved)."""
+    base = os.path.realpath(local_path(folder)).rstrip(os.sep) + os.sep
+    return os.path.realpath(local_path(path)).startswith(base)
+
+
+def require_free_space(out: str, needed_bytes: int) -> None:
+    """Refuse when the filesystem of a local `out` has less than `needed_bytes` free.
+
+    Raises:
+        DiskSpaceError: naming both figures and the fix (no-op for URLs).
+    """
+    if is_url(out):
+        return
+    free = shutil.disk_usage(existing_ancestor(out)).free
+    if needed_bytes > free:
+        raise DiskSpaceError(
+            f"{out}: the conversion needs about {needed_bytes / 1e9:.2f} GB but "
+            f"{free / 1e9:.2f} GB is free there; free space, or point --out (or "
+            "DLPIPE_DATA_DIR) at a bigger disk"
+        )
+
+
 def on_system_disk(path: str) -> bool:
     """True when a local `path` lands on the filesystem that holds ``/``."""
     if is_url(path):
@@ -188,6 +235,22 @@ def atomic_write_bytes(dest: str, data: bytes, *, durable: bool = True) -> None:
             os.replace(tmp_path, local_path(dest))
 
 
+def atomic_write_jsonl(dest: str, records: list[dict[str, Any]]) -> None:
+    """Write one JSON object per line to `dest`, atomically (see `atomic_write_bytes`).
+
+    Lines are UTF-8; a record holding text that is not valid Unicode (a non-UTF-8 file name
+    decoded with surrogate escapes) is written with ASCII escapes instead, so the file always
+    parses.
+    """
+    lines = []
+    for record in records:
+        try:
+            lines.append(json.dumps(record, sort_keys=True, ensure_ascii=False).encode())
+        except UnicodeEncodeError:
+            lines.append(json.dumps(record, sort_keys=True).encode())
+    atomic_write_bytes(dest, b"".join(line + b"\n" for line in lines))
+
+
 @contextlib.contextmanager
 def staging_dir(near: str | None) -> Iterator[str]:
     """A private temp folder for files being written, removed on exit.
@@ -200,3 +263,70 @@ def staging_dir(near: str | None) -> Iterator[str]:
         os.makedirs(parent, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".dlpipe-tmp-", dir=parent) as tmp:
         yield tmp
+
+
+@contextlib.contextmanager
+def output_lock(out: str) -> Iterator[None]:
+    """Hold the exclusive writer lock of a local output folder (created if needed).
+
+    The lock is ``fcntl.flock`` on ``<out>/.dlpipe-lock``, so it is released by the kernel when
+    its holder dies (kill -9 leaves no stale lock). The holder's pid is in the file while it
+    runs, for the message a second writer gets. The file stays after the run, empty: unlinking it
+    would let a third writer lock a fresh file while a second still waits on the old one. On
+    object storage (fsspec URLs) there is no lock: one writer per URL is the caller's job.
+
+    Raises:
+        OutputLockedError: another process holds the lock (its pid is named when known), or the
+            lock file is not a plain file.
+    """
+    if is_url(out):
+        yield
+        return
+    import fcntl
+
+    makedirs(out)
+    fd = _open_lock_file(out)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputLockedError(
+                f"{out} is being written by another dlpipe process ({_holder(fd)}); wait for "
+                "it to finish or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # a finished folder's lock file is empty: the same run to run
+    finally:
+        os.close(fd)  # closing the last descriptor releases the flock
+
+
+def _open_lock_file(out: str) -> int:
+    path = os.path.join(local_path(out), LOCK_NAME)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o644)  # O_NONBLOCK: a FIFO does not hang
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        fd = -1
+    if fd < 0 or not _is_regular(fd):
+        if fd >= 0:
+            os.close(fd)
+        raise OutputLockedError(
+            f"{path} is not a plain file (a link, folder or device); dlpipe keeps its writer lock "
+            "there: remove it, or choose another --out"
+        )
+    return fd
+
+
+def _is_regular(fd: int) -> bool:
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+def _holder(fd: int) -> str:
+    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    return f"pid {text}" if text.isdigit() else "pid unknown"

@@ -225,7 +225,7 @@ def test_default_out_is_beside_the_raw_data_or_under_the_data_dir(tmp_path, monk
 def test_refuses_when_the_disk_is_too_small(tmp_path, monkeypatch, capsys) -> None:
     raw = make_raw(tmp_path / "raw", per_class=2)
     monkeypatch.setattr(
-        engine.shutil, "disk_usage", lambda p: SimpleNamespace(total=1, used=1, free=0)
+        dlpipe.storage.shutil, "disk_usage", lambda p: SimpleNamespace(total=1, used=1, free=0)
     )
     out = tmp_path / "out"
     assert run([str(raw), "--to", "wds", "--out", str(out)]) == 2
@@ -327,7 +327,7 @@ def test_cifar_python_batches_convert_end_to_end(tmp_path) -> None:
     from test_source_cifar import make_cifar10
 
     folder = make_cifar10(tmp_path)
-    out = tmp_path / "out"
+    out = tmp_path.parent / f"{tmp_path.name}-out"  # not inside the raw folder
     assert run([str(tmp_path), "--to", "hdf5", "--out", str(out)]) == 0
     manifest = dlpipe.read_manifest(str(out))
     assert manifest.source["kind"] == "cifar" and manifest.fields == {"png": "image", "cls": "int"}

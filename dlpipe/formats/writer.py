@@ -10,6 +10,7 @@ manifest is written, so the folder reads as unfinished, never as complete.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,7 @@ import numpy as np
 
 from dlpipe import storage
 from dlpipe.codecs import field_type
-from dlpipe.errors import InvalidFieldError, OutputExistsError
+from dlpipe.errors import DlpipeError, InvalidFieldError, OutputExistsError
 from dlpipe.formats import FORMATS, get_format, require_storage
 from dlpipe.formats.base import ShardBuilder, ShardFormat
 from dlpipe.manifest import (
@@ -30,22 +31,42 @@ from dlpipe.manifest import (
     Manifest,
     ShardInfo,
     SplitInfo,
+    read_manifest,
     write_manifest,
 )
 from dlpipe.sample import sample_fields
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
+    "ERRORS_NAME",
+    "JOURNAL_DIR",
+    "KEYS_NAME",
     "DatasetWriter",
     "ShardLimits",
     "SplitWriter",
     "class_counts",
+    "dataset_entries",
+    "is_dlpipe_name",
+    "owned_shards",
     "prepare_output",
+    "record_shard_intent",
+    "remove_journal",
     "remove_staging",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 64 << 20
+ERRORS_NAME = "errors.jsonl"
+KEYS_NAME = "keys.jsonl"
+JOURNAL_DIR = ".dlpipe-journal"
+_TMP_PREFIX = ".dlpipe-tmp-"
+_INTENT_SUFFIX = ".intent"
+_FIXED_NAMES = frozenset(
+    {MANIFEST_NAME, PROFILES_NAME, ERRORS_NAME, KEYS_NAME, JOURNAL_DIR, storage.LOCK_NAME}
+)
 _SPLIT_RE = re.compile(r"[A-Za-z0-9_]+")
+_SHARD_FILE_RE = re.compile(
+    rf"[A-Za-z0-9_]+-\d{{6}}({'|'.join(re.escape(f.suffix) for f in FORMATS.values())})"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,11 +125,17 @@ class SplitWriter:
             self.shards.append(b.finish())
             self._builder = None
         if self._builder is None:
-            name = self.fmt.shard_name(self.split, len(self.shards))
-            self._builder = ShardBuilder(self.fmt, self.folder, name, self.staging, self.fields)
+            self._builder = self._new_builder(self.fmt.shard_name(self.split, len(self.shards)))
         self._builder.add(key, values)
         if "cls" in values:
             self.labels.append(int(values["cls"]))
+
+    def _new_builder(self, name: str) -> ShardBuilder:
+        # every old shard dlpipe wrote is gone (prepare_output): a file here is a user's
+        if storage.exists(storage.join(self.folder, name)):
+            raise OutputExistsError(_clash_message(self.folder, [name]))
+        record_shard_intent(self.folder, name)
+        return ShardBuilder(self.fmt, self.folder, name, self.staging, self.fields)
 
     def close(self, num_classes: int) -> SplitInfo:
         if self._builder is not None:
@@ -134,7 +161,12 @@ class DatasetWriter:
         options: conversion options to record in the manifest.
         source: where the samples came from, recorded in the manifest.
         limits: when to start a new shard.
-        overwrite: replace an existing dataset in `out` instead of refusing.
+        overwrite: replace an existing dataset in `out` instead of refusing; only files
+            dlpipe wrote are deleted (see `prepare_output`).
+
+    The writer holds `out`'s lock (``.dlpipe-lock``, local paths only) from creation to
+    close or abort: a second writer of the same folder fails at once with
+    `dlpipe.storage.OutputLockedError`.
     """
 
     out: str
@@ -148,10 +180,15 @@ class DatasetWriter:
     def __post_init__(self) -> None:
         self._fmt = get_format(self.format)
         require_storage(self._fmt, self.out)
-        prepare_output(self.out, self.overwrite)
         self._cleanup = contextlib.ExitStack()
-        near = None if storage.is_url(self.out) else self.out
-        self._staging_path = self._cleanup.enter_context(storage.staging_dir(near))
+        self._cleanup.enter_context(storage.output_lock(self.out))  # held until close/abort
+        try:
+            prepare_output(self.out, self.overwrite)
+            near = None if storage.is_url(self.out) else self.out
+            self._staging_path = self._cleanup.enter_context(storage.staging_dir(near))
+        except BaseException:
+            self._cleanup.close()
+            raise
         self._splits: dict[str, SplitWriter] = {}
         self._fields: tuple[str, ...] | None = None
 
@@ -183,6 +220,7 @@ class DatasetWriter:
                 source=dict(self.source),
             )
             write_manifest(self.out, manifest)
+            remove_journal(self.out)  # the manifest now proves which shards are dlpipe's
             return manifest
         finally:
             self._cleanup.close()
@@ -208,33 +246,121 @@ class DatasetWriter:
             self.abort()
 
 
-def prepare_output(out: str, overwrite: bool) -> None:
+def dataset_entries(out: str) -> list[str]:
+    """Names in `out` that make it non-empty: all but the writer lock and temp folders."""
+    return [
+        n for n in storage.listdir(out) if n != storage.LOCK_NAME and not n.startswith(_TMP_PREFIX)
+    ]
+
+
+def is_dlpipe_name(name: str) -> bool:
+    """True for the fixed names dlpipe writes beside shards (never a user's file name)."""
+    return name in _FIXED_NAMES or name.startswith(_TMP_PREFIX)
+
+
+def record_shard_intent(out: str, name: str) -> None:
+    """Note in the journal that dlpipe is about to publish shard `name` into `out`.
+
+    Written before the shard appears, so a writer killed at any point leaves proof of which
+    shard files are dlpipe's: ``--overwrite`` deletes from that proof, never by a name pattern.
+    """
+    folder = storage.join(out, JOURNAL_DIR)
+    storage.makedirs(folder)
+    storage.atomic_write_bytes(storage.join(folder, name + _INTENT_SUFFIX), b"", durable=False)
+
+
+def owned_shards(out: str) -> tuple[set[str], str | None]:
+    """Shard files dlpipe can prove it wrote in `out`, and why the manifest could not be read.
+
+    The proof is the existing manifest's shard list and the journal's records (finished shards
+    and intents); only plain shard names (``split-NNNNNN.suffix``) count.
+    """
+    names: set[str] = set()
+    unreadable = None
+    if storage.exists(storage.join(out, MANIFEST_NAME)):
+        try:
+            manifest = read_manifest(out)
+            names.update(s.name for split in manifest.splits.values() for s in split.shards)
+        except (DlpipeError, OSError, ValueError, RecursionError) as exc:
+            unreadable = str(exc)
+    for entry in storage.listdir(storage.join(out, JOURNAL_DIR)):
+        stem, suffix = os.path.splitext(entry)
+        if suffix in (_INTENT_SUFFIX, ".json"):
+            names.add(stem)
+    return {n for n in names if _SHARD_FILE_RE.fullmatch(n)}, unreadable
+
+
+def prepare_output(out: str, overwrite: bool, planned: Sequence[str] = ()) -> None:
     """Make `out` ready for a new dataset: refuse existing data unless `overwrite`.
 
-    With `overwrite`, the old manifest goes first (so an interrupted overwrite never looks
-    complete), then the old dataset's shards and loader profiles; files dlpipe did not write
-    are left alone.
+    With `overwrite`, only what dlpipe can prove it wrote is deleted: the shards the existing
+    manifest or journal lists, and dlpipe's fixed names (manifest, errors/keys lists, loader
+    profiles, journal, temp folders). The manifest goes first, so an interrupted overwrite
+    never looks complete, and the shards to delete are noted in the journal before it goes,
+    so a kill half-way leaves them provable. A user's file is never deleted; one that bears
+    a name in `planned` (a shard this run will write) is refused before anything is deleted.
+
+    Raises:
+        OutputExistsError: `out` holds data and not `overwrite`; or a file there that dlpipe
+            cannot prove is its own would be replaced (nothing is deleted then).
     """
-    names = [n for n in storage.listdir(out) if not n.startswith(".dlpipe-tmp-")]
+    names = dataset_entries(out)
     if names and not overwrite:
         raise OutputExistsError(
-            f"{out} already holds {len(names)} entries ({', '.join(names[:3])}"
-            f"{', ...' if len(names) > 3 else ''}); choose an empty --out, or pass --overwrite "
-            "to replace the dataset there"
+            f"{out} already holds {len(names)} entries ({_some(names)}); choose an empty "
+            "output folder, or pass overwrite=True (--overwrite) to replace the dataset there"
         )
     storage.makedirs(out)
     if not names:
         return
-    if MANIFEST_NAME in names:
-        storage.remove(storage.join(out, MANIFEST_NAME))
-    if PROFILES_NAME in names:  # loader settings measured on the old data
-        storage.remove(storage.join(out, PROFILES_NAME))
-    suffixes = "|".join(re.escape(f.suffix) for f in FORMATS.values())
-    shard_re = re.compile(rf"[A-Za-z0-9_]+-\d{{6}}({suffixes})")
-    for name in names:
-        if shard_re.fullmatch(name):
+    owned, unreadable = owned_shards(out)
+    _refuse_foreign(out, names, owned, unreadable, planned)
+    doomed = sorted(owned.intersection(names))
+    for name in doomed:
+        record_shard_intent(out, name)
+    for name in (MANIFEST_NAME, PROFILES_NAME, ERRORS_NAME, KEYS_NAME, *doomed):
+        if name in names:
             storage.remove(storage.join(out, name))
     remove_staging(out)
+    remove_journal(out)
+
+
+def _refuse_foreign(
+    out: str, names: list[str], owned: set[str], unreadable: str | None, planned: Sequence[str]
+) -> None:
+    foreign = [n for n in names if not is_dlpipe_name(n) and n not in owned]
+    shard_like = [n for n in foreign if _SHARD_FILE_RE.fullmatch(n)]
+    if unreadable is not None and shard_like:
+        raise OutputExistsError(
+            f"{out}: the old manifest cannot be read ({unreadable}), so --overwrite cannot tell "
+            f"which files there dlpipe wrote; nothing was deleted, and {_some(shard_like)} "
+            "remain: delete the old dataset's files yourself, or choose another --out"
+        )
+    clashes = [n for n in planned if n in foreign]
+    if clashes:
+        raise OutputExistsError(_clash_message(out, clashes))
+
+
+def _clash_message(out: str, clashes: Sequence[str]) -> str:
+    return (
+        f"{out} holds {_some(clashes)}, not written by dlpipe (no manifest or journal there "
+        "lists it), under the name of a shard this conversion writes; nothing was deleted: "
+        "move it away, or choose another --out"
+    )
+
+
+def _some(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def remove_journal(out: str) -> None:
+    """Delete the conversion journal folder of `out` (local path or URL), if any."""
+    folder = storage.join(out, JOURNAL_DIR)
+    if not storage.is_url(folder):
+        shutil.rmtree(storage.local_path(folder), ignore_errors=True)
+        return
+    for name in storage.listdir(folder):
+        storage.remove(storage.join(folder, name))
 
 
 def remove_staging(out: str) -> None:
@@ -242,5 +368,5 @@ def remove_staging(out: str) -> None:
     if storage.is_url(out):
         return
     for name in storage.listdir(out):
-        if name.startswith(".dlpipe-tmp-"):
+        if name.startswith(_TMP_PREFIX):
             shutil.rmtree(storage.join(out, name), ignore_errors=True)
