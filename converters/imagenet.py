@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import re
 import struct
@@ -58,15 +59,11 @@ __all__ = ["ImageNetSource", "read_synsets"]
 
 _MAPPING, _VAL_CSV = "LOC_synset_mapping.txt", "LOC_val_solution.csv"
 _KAGGLE_DATA = ("ILSVRC", "Data", "CLS-LOC")
-_DEVKIT, _META, _TRUTH = (
-    "ILSVRC2012_devkit_t12",
-    "meta.mat",
-    "ILSVRC2012_validation_ground_truth.txt",
-)
-_WNID = re.compile(r"n[0-9]{8}")
-_SKIPPED_NAMES = frozenset({"__MACOSX", "lost+found", "$RECYCLE.BIN", "System Volume Information"})
-_MAX_LABEL_FILE_BYTES = 64 << 20  # the real files: LOC_val_solution.csv 2.4 MB, meta.mat < 3 MB
-_MAX_MAT_BYTES = 64 << 20  # meta.mat decompressed (about 2 MB in the devkit)
+_DEVKIT, _META = "ILSVRC2012_devkit_t12", "meta.mat"
+_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
+_WNID, _CLASS_ID = re.compile(r"n[0-9]{8}"), re.compile(r"[0-9]{1,9}")
+_MAX_LABEL_FILE_BYTES = 64 << 20  # LOC_val_solution.csv is 2.4 MB
+_MAX_MAT_BYTES = 16 << 20  # meta.mat, as read and decompressed (about 1.5 MB in the devkit)
 _MAT_NUMBERS = {1: "i1", 2: "u1", 3: "i2", 4: "u2", 5: "i4", 6: "u4", 7: "f4", 9: "f8",
                 12: "i8", 13: "u8"}  # fmt: skip
 _MAT_TEXT = {16: "utf-8", 4: "utf-16", 17: "utf-16", 2: "latin-1", 1: "latin-1"}
@@ -95,15 +92,15 @@ def _read_text(root: str, path: str) -> str:
         raise SourceError(f"{display_path(path)}: not UTF-8 text ({exc}); restore it") from exc
 
 
-def _read_label_file(root: str, path: str) -> bytes:
+def _read_label_file(root: str, path: str, max_bytes: int = _MAX_LABEL_FILE_BYTES) -> bytes:
     if not os.path.lexists(path):
         raise SourceError(
             f"{display_path(path)} is missing; it holds the labels (restore it from the download)"
         )
     try:
-        return read_file(path, os.path.realpath(root), max_bytes=_MAX_LABEL_FILE_BYTES)
+        return read_file(path, os.path.realpath(root), max_bytes=max_bytes)
     except SampleError as exc:
-        raise SourceError(f"{exc}; it holds the labels (restore it from the download)") from exc
+        raise SourceError(str(exc)) from exc  # it names the file, the problem and the fix
 
 
 def _kaggle_classes(root: str, path: str) -> dict[str, str]:
@@ -153,7 +150,7 @@ def _devkit_val_labels(
     """Val image stem → (label token, origin): line i labels ``ILSVRC2012_val_<i>``."""
     labels: dict[str, tuple[str, str]] = {}
     for number, line in enumerate(_read_text(root, path).rstrip().splitlines(), 1):
-        if not line.strip().isdigit():
+        if not _CLASS_ID.fullmatch(line.strip()):
             raise SourceError(
                 f"{path} line {number}: {_shown(line)} is not an ILSVRC2012_ID (one integer a "
                 "line, line i for ILSVRC2012_val_<i>); restore it from the devkit"
@@ -200,10 +197,13 @@ class _MatReader:
         if not body:
             return "", None
         kind, flags, pos = self.element(body, 0)
-        kind_dims, dims, pos = self.element(body, pos)
+        kind_dims, dims_data, pos = self.element(body, pos)
         _, name, pos = self.element(body, pos)
         matlab_class = int(self.numbers(kind, flags)[:1].sum()) & 0xFF
-        count = int(np.prod(self.numbers(kind_dims, dims).astype(np.int64)))
+        dims = self.numbers(kind_dims, dims_data).tolist()
+        if kind_dims not in (5, 6) or len(dims) > 8 or min(dims, default=0) < 0:
+            raise self.fail(f"a matrix of dimensions {dims[:9]}")
+        count = math.prod(dims)
         if matlab_class == _MX_STRUCT and top:
             return name.decode("latin-1"), self.struct_rows(body, pos, count)
         if matlab_class == _MX_CHAR or 6 <= matlab_class <= 15:
@@ -225,7 +225,7 @@ class _MatReader:
             raise self.fail(f"struct field names of {len(names)} bytes in {length}-byte slots")
         fields = [names[i : i + length].split(b"\0")[0].decode("latin-1")
                   for i in range(0, len(names), length)]  # fmt: skip
-        if count < 0 or count * len(fields) * 8 > len(body) - pos:
+        if count * len(fields) * 8 > len(body) - pos:
             raise self.fail(f"{count} struct elements cannot fit in {len(body) - pos} bytes")
         wanted = [fields.index(f) if f in fields else -1 for f in _SYNSET_FIELDS]
         rows = []
@@ -244,10 +244,10 @@ def read_synsets(root: str, path: str) -> list[tuple[Any, ...]]:
     """The ``synsets`` rows of a devkit ``meta.mat``: (ILSVRC2012_ID, WNID, words, num_children).
 
     Raises:
-        SourceError: not a MATLAB v5/v7 file, malformed, over 64 MiB (read or decompressed),
+        SourceError: not a MATLAB v5/v7 file, malformed, over 16 MiB (read or decompressed),
             or without a ``synsets`` struct.
     """
-    data = _read_label_file(root, path)
+    data = _read_label_file(root, path, _MAX_MAT_BYTES)
     endian = {b"IM": "<", b"MI": ">"}.get(data[126:128], "")
     reader = _MatReader(path, endian)
     if len(data) < 128 or not endian or data[124:126] not in (b"\x00\x01", b"\x01\x00"):
@@ -261,7 +261,7 @@ def read_synsets(root: str, path: str) -> list[tuple[Any, ...]]:
             except zlib.error as exc:
                 raise reader.fail(f"damaged compressed data: {exc}") from exc
             if len(inflated) > _MAX_MAT_BYTES:
-                raise reader.fail("a variable decompresses past 64 MiB")
+                raise reader.fail("a variable decompresses past 16 MiB")
             kind, body, _ = reader.element(inflated, 0)
         if kind == _MI_MATRIX:
             name, rows = reader.matrix(body, top=True)

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import io
+import json
+import os
 import random
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +19,8 @@ from PIL import Image
 
 import dlpipe
 from dlpipe.cli import main
-from dlpipe.converters.imagenet import ImageNetSource
+from dlpipe.converters.imagenet import ImageNetSource, read_synsets
+from dlpipe.converters.source import SourceError
 from dlpipe.converters.sources import open_source
 from dlpipe.sample import unescape_key
 
@@ -268,18 +276,11 @@ def _devkit_case(raw: Path, case: str) -> str:
     return f"{raw / 'val'} is missing"
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "truth-too-long",
-        "truth-too-short",
-        "truth-not-a-number",
-        "no-truth",
-        "no-meta",
-        "meta-garbage",
-        "no-val-folder",
-    ],  # fmt: skip
-)
+DEVKIT_CASES = ["truth-too-long", "truth-too-short", "truth-not-a-number", "no-truth",
+                "no-meta", "meta-garbage", "no-val-folder"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DEVKIT_CASES)
 def test_devkit_bad_labels_are_one_error_line(tmp_path: Path, case: str, capsys) -> None:
     raw = make_devkit(tmp_path / "raw")
     expected = _devkit_case(raw, case)
@@ -287,3 +288,176 @@ def test_devkit_bad_labels_are_one_error_line(tmp_path: Path, case: str, capsys)
     line = _one_error(capsys)
     assert expected in line, line
     assert not (tmp_path / "out" / "dlpipe.json").exists()
+
+
+def _errors(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("row", ["n99999999 1 2 3 4", ""], ids=["unknown-wnid", "empty"])
+def test_one_bad_val_row_skips_only_its_sample(tmp_path: Path, row: str, capsys) -> None:
+    raw = make_kaggle(tmp_path / "raw", flat=True)
+    csv = raw / "LOC_val_solution.csv"
+    lines = csv.read_text().splitlines()
+    number = next(i for i, x in enumerate(lines) if x.startswith(val_name(2)))
+    lines[number] = f"{val_name(2)},{row}"
+    csv.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert convert(raw, out) == 0
+    assert "skipped 1 samples" in capsys.readouterr().out
+    (error,) = _errors(out)
+    assert error["key"] == val_name(2) and f"{csv} line {number + 1}: " in error["error"]
+    assert ("'n99999999' is not one of" if row else "no label") in error["error"]
+    manifest = dlpipe.read_manifest(str(out))
+    assert manifest.splits["val"].samples == 5 and manifest.source["skipped"] == 1
+    assert convert(raw, tmp_path / "fail", "wds", "--on-error", "fail") == 2
+    assert f"{csv} line {number + 1}: " in _one_error(capsys)
+
+
+def test_devkit_val_label_of_an_inner_synset_skips_its_sample(tmp_path: Path) -> None:
+    raw = make_devkit(tmp_path / "raw")
+    truth = raw / DEVKIT_DATA / "ILSVRC2012_validation_ground_truth.txt"
+    lines = truth.read_text().splitlines()
+    truth.write_text("\n".join([*lines[:3], "4", *lines[4:]]) + "\n")  # 4 = "entity"
+    assert convert(raw, tmp_path / "out") == 0
+    (error,) = _errors(tmp_path / "out")
+    assert error["key"] == val_name(4)
+    assert f"{truth} line 4: the label 'ILSVRC2012_ID 4' is not one of the 3" in error["error"]
+
+
+def test_label_file_that_is_a_fifo_is_refused_without_hanging(tmp_path: Path) -> None:
+    raw = make_kaggle(tmp_path / "raw")
+    (raw / "LOC_val_solution.csv").unlink()
+    os.mkfifo(raw / "LOC_val_solution.csv")
+    command = [sys.executable, "-m", "dlpipe", "convert", str(raw), "--to", "wds",
+               "--out", str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr + done.stdout
+    assert lines[0].startswith(f"error: {raw / 'LOC_val_solution.csv'}: is a FIFO")
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "/etc/hostname", "elsewhere"])
+def test_label_file_linked_out_of_the_folder_is_refused(
+    tmp_path: Path, target: str, capsys
+) -> None:
+    raw = make_devkit(tmp_path / "raw")
+    meta = raw / DEVKIT_DATA / "meta.mat"
+    if target == "elsewhere":
+        target = str(tmp_path / "meta.mat")
+        meta.rename(target)
+    else:
+        meta.unlink()
+    meta.symlink_to(target)
+    assert convert(raw, tmp_path / "out") == 2
+    line = _one_error(capsys)
+    assert line.startswith(f"error: {meta}: ") and "outside the raw folder" in line
+
+
+def test_oversized_label_file_is_refused_unread(tmp_path: Path, capsys) -> None:
+    raw = make_kaggle(tmp_path / "raw")
+    csv = raw / "LOC_val_solution.csv"
+    os.truncate(csv, (64 << 20) + 1)  # sparse: nothing of it needs to be read to refuse it
+    assert convert(raw, tmp_path / "out") == 2
+    assert f"{csv}: {(64 << 20) + 1} bytes, over the" in _one_error(capsys)
+
+
+def test_split_folder_linked_from_elsewhere_is_refused(tmp_path: Path, capsys) -> None:
+    raw = make_kaggle(tmp_path / "raw", flat=True)
+    (raw / "val").rename(tmp_path / "val-elsewhere")
+    (raw / "val").symlink_to(tmp_path / "val-elsewhere")
+    assert convert(raw, tmp_path / "out") == 2
+    assert f"{raw / 'val'} is (or lies under) a symbolic link" in _one_error(capsys)
+
+
+def test_special_and_linked_images_are_never_read(tmp_path: Path) -> None:
+    raw = make_kaggle(tmp_path / "raw", flat=True)
+    tench = raw / "train" / "n01440764"
+    (tench / "zero.JPEG").symlink_to("/dev/zero")
+    os.mkfifo(tench / "pipe.JPEG")
+    (tench / "notes.txt").write_text("not an image")
+    assert convert(raw, tmp_path / "out") == 0
+    manifest = _check_dataset(tmp_path / "out", "kaggle")
+    assert manifest.source["skipped_entries"] == 2 and manifest.source["ignored_files"] == 1
+
+
+def _meta_bytes(tmp_path: Path, compress: bool) -> bytes:
+    path = tmp_path / f"meta-{compress}.mat"
+    write_meta_mat(path, [(1, "n02119789", "kit fox", 0), (2, "n00001740", "entity", 1)],
+                   do_compression=compress)  # fmt: skip
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["compressed", "plain"])
+def test_damaged_meta_mat_is_a_source_error(tmp_path: Path, compress: bool) -> None:
+    data = _meta_bytes(tmp_path, compress)
+    path = tmp_path / "meta.mat"
+    path.write_bytes(data)
+    assert read_synsets(str(tmp_path), str(path)) == [
+        (1.0, "n02119789", "kit fox", 0.0), (2.0, "n00001740", "entity", 1.0)
+    ]  # fmt: skip
+    rng = random.Random(0)
+    damaged = [data[:n] for n in range(0, len(data), 3)]
+    for _ in range(300):
+        flipped = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            flipped[rng.randrange(128, len(data))] = rng.randrange(256)
+        damaged.append(bytes(flipped))
+    for blob in damaged:
+        path.write_bytes(blob)
+        try:
+            rows = read_synsets(str(tmp_path), str(path))
+        except SourceError as exc:
+            assert str(exc).startswith(f"{path}: ")
+        else:
+            assert isinstance(rows, list)
+
+
+def _mat_element(kind: int, payload: bytes) -> bytes:
+    return struct.pack("<II", kind, len(payload)) + payload + bytes(-len(payload) % 8)
+
+
+def _mat(*elements: bytes) -> bytes:
+    return b"MATLAB 5.0 MAT-file".ljust(116) + bytes(8) + b"\x00\x01IM" + b"".join(elements)
+
+
+def _huge_struct() -> bytes:
+    """A 232-byte synsets struct claiming 2e9 elements (scipy's loadmat asks for 16 GB)."""
+    dims = struct.pack("<ii", 2_000_000_000, 1)
+    body = (_mat_element(6, struct.pack("<II", 2, 0)) + _mat_element(5, dims)
+            + _mat_element(1, b"synsets") + struct.pack("<HHi", 5, 4, 8)
+            + _mat_element(1, b"WNID".ljust(8, b"\0")))  # fmt: skip
+    return _mat(_mat_element(14, body))
+
+
+def _zip_bomb() -> bytes:
+    """A compressed variable of 1 MB that inflates to 1 GiB."""
+    packer, zeros = zlib.compressobj(1), bytes(16 << 20)
+    inflated = struct.pack("<II", 14, (1 << 30) - 8)
+    data = packer.compress(inflated) + b"".join(packer.compress(zeros) for _ in range(64))
+    return _mat(_mat_element(15, data + packer.flush()))
+
+
+BOUNDED_READ = """
+import resource, sys
+from dlpipe.converters.imagenet import read_synsets
+from dlpipe.converters.source import SourceError
+vm = int(next(x for x in open("/proc/self/status") if x.startswith("VmSize")).split()[1]) << 10
+resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), vm + (256 << 20)))
+try:
+    read_synsets(sys.argv[1], sys.argv[2])
+except SourceError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("make", [_huge_struct, _zip_bomb], ids=["huge-dims", "zip-bomb"])
+def test_hostile_meta_mat_is_refused_in_bounded_memory(tmp_path: Path, make) -> None:
+    path = tmp_path / "meta.mat"
+    path.write_bytes(make())
+    command = [sys.executable, "-c", textwrap.dedent(BOUNDED_READ), str(tmp_path), str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    assert done.stdout.startswith(f"{path}: not a readable MATLAB file (")
+    assert ("cannot fit" if make is _huge_struct else "decompresses past 16 MiB") in done.stdout
