@@ -13,11 +13,14 @@ import re
 import resource
 import select
 import signal
+import struct
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
 import h5py
+import lmdb
+import msgpack
 import numpy as np
 import pytest
 import torch.utils.data  # noqa: F401 (loaded before a child's address space is limited)
@@ -463,3 +466,144 @@ def test_crafted_hdf5_is_refused_before_any_read(case, tmp_path) -> None:
 def test_plain_dlpipe_hdf5_shards_pass_the_checks(tmp_path) -> None:
     path = tiny_dataset(tmp_path, "hdf5", [*TINY, {"__key__": "e", "cls": b"1", "txt": b""}])
     assert [s["txt"] for s in read_all(path)] == [b"hello"] * 4 + [b""]
+
+
+# ---------------------------------------------------------------- lmdb: crafted meta pages
+
+
+def _newer_meta(body: bytes) -> int:
+    """The byte offset of the meta page LMDB would use (the one with the larger txnid)."""
+    txn0, txn1 = (struct.unpack_from("=Q", body, page * 4096 + 144)[0] for page in (0, 1))
+    return 4096 if txn1 > txn0 else 0
+
+
+def _patch(fmt: str, value: int, *, meta: str = "newer") -> Callable[[bytes], bytes]:
+    def patch(body: bytes) -> bytes:
+        out = bytearray(body)
+        base = _newer_meta(body) if meta == "newer" else 4096 - _newer_meta(body)
+        offset, fmt_ = {
+            "pgno": (0, "=Q"),
+            "flags": (10, "=H"),
+            "magic": (16, "=I"),
+            "version": (20, "=I"),
+            "psize": (40, "=I"),
+            "main-depth": (94, "=H"),
+            "main-root": (128, "=Q"),
+            "last-page": (136, "=Q"),
+            "txnid": (144, "=Q"),
+        }[fmt]
+        struct.pack_into(fmt_, out, base + offset, value)
+        return bytes(out)
+
+    return patch
+
+
+LMDB_META_HOSTILE = {
+    "magic": (_patch("magic", 0xDEADBEEF), "magic 0xdeadbeef"),
+    "version": (_patch("version", 999), "version 999"),
+    "page-size-odd": (_patch("psize", 3000), "page size"),
+    "page-number": (_patch("pgno", 7), "is not a meta page"),
+    "not-a-meta-page": (_patch("flags", 0x02), "is not a meta page"),
+    "last-page-past-the-file": (_patch("last-page", 1 << 40), "past the file's"),
+    "root-past-the-file": (_patch("main-root", 10_000), "main tree root at page 10000"),
+    "root-is-a-meta-page": (_patch("main-root", 1), "main tree root at page 1"),
+    "depth-beyond-lmdb": (_patch("main-depth", 200), "depth 200"),
+    "txnid-parity": (_patch("txnid", 1 << 40), "of the wrong parity"),
+    "older-meta-root": (_patch("main-root", 1 << 50, meta="older"), "main tree root"),
+    "truncated-to-one-page": (lambda body: body[:4096], "cannot hold two"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LMDB_META_HOSTILE))
+def test_crafted_lmdb_meta_page_is_a_named_error_not_a_crash(case, tmp_path) -> None:
+    patch, message = LMDB_META_HOSTILE[case]
+    path = tiny_dataset(tmp_path, "lmdb")
+    shard = first_shard(path)
+    shard.write_bytes(patch(shard.read_bytes()))
+    resync_manifest(path)
+    outcome = in_bounded_child(lambda: dlpipe.open_dataset(path)[1])  # dies by signal: fails
+    assert outcome.startswith(f"ShardCorruptError: shard {shard}, sample 1: cannot be opened")
+    assert message in outcome, outcome
+
+
+def test_lmdb_meta_checks_pass_every_shard_dlpipe_writes(tmp_path) -> None:
+    big = [{"__key__": f"b{i}", "cls": b"1", "txt": os.urandom(20_000)} for i in range(30)]
+    path = tiny_dataset(tmp_path, "lmdb", [*TINY, *big])  # overflow pages, a deeper tree
+    assert [s["txt"] for s in read_all(path)[4:]] == [s["txt"] for s in big]
+
+
+# ---------------------------------------------------------------- lmdb: crafted values
+
+
+def _put(shard: Path, index: int, value: bytes | None) -> None:
+    env = lmdb.open(str(shard), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        key = struct.pack(">Q", index)
+        if value is None:
+            txn.delete(key)
+        else:
+            txn.put(key, value)
+    env.close()
+
+
+def _record(**fields: object) -> bytes:
+    return msgpack.packb({"__key__": "s1", "cls": b"1", "txt": b"hello", **fields})
+
+
+LMDB_VALUE_HOSTILE = {
+    "not-msgpack": (b"\xc1\xc1\xc1", "value is not a MessagePack field map"),
+    "a-list": (msgpack.packb([1, 2]), "field map with '__key__'"),
+    "no-key": (msgpack.packb({"cls": b"1", "txt": b"x"}), "field map with '__key__'"),
+    "int-key": (_record(__key__=7), "sample key 7 is a int"),
+    "key-with-a-path": (_record(__key__="../etc"), "sample key '../etc' is not allowed"),
+    "str-field": (_record(txt="hello"), "holds a field value that is not bytes"),
+    "nested-field": (_record(txt={"a": b"b"}), "holds a field value that is not bytes"),
+    "extra-field": (_record(evil=b"x"), "expected ['cls', 'txt']"),
+    "cls-padded": (_record(cls=b"01"), "a cls field is an integer in canonical ASCII"),
+    "cls-float": (_record(cls=b"1.5"), "a cls field is an integer in canonical ASCII"),
+    "cls-text": (_record(cls=b"dog"), "a cls field is an integer in canonical ASCII"),
+    "cls-beyond-int64": (_record(cls=b"99999999999999999999"), "is beyond int64"),
+    "deeply-nested": (b"\x91" * 100_000 + b"\xc0", "not a MessagePack field map"),
+    "missing-sample": (None, "has no such sample"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LMDB_VALUE_HOSTILE))
+def test_crafted_lmdb_value_names_shard_and_sample(case, tmp_path) -> None:
+    value, message = LMDB_VALUE_HOSTILE[case]
+    path = tiny_dataset(tmp_path, "lmdb")
+    shard = first_shard(path)
+    _put(shard, 1, value)
+    resync_manifest(path)
+    ds = dlpipe.open_dataset(path)
+    assert ds[0]["__key__"] == "s0"
+    with pytest.raises(dlpipe.ShardCorruptError, match=rf"{shard}, sample 1: .*") as caught:
+        ds[1]
+    assert message in str(caught.value)
+    with pytest.raises(dlpipe.ShardCorruptError, match="sample 1"):
+        list(ds)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "key", "cls", "message"),
+    [
+        ("wds", "a%", b"1", r"member 'a%\.cls' is not named"),
+        ("hdf5", "a%", b"1", r"sample key 'a%' is not allowed"),
+        ("wds", "s0", b"-0x1", "canonical ASCII"),
+        ("wds", "s0", b"1e3", "canonical ASCII"),
+        ("wds", "s0", b"99999999999999999999", "beyond int64"),
+    ],
+)
+def test_bad_keys_and_labels_in_tar_and_hdf5_are_refused(fmt, key, cls, message, tmp_path) -> None:
+    """(hdf5 stores cls as int64, so its labels are canonical by construction.)"""
+    path = tiny_dataset(tmp_path, fmt)
+    shard = first_shard(path)
+    if fmt == "wds":
+        members = tar_member(f"{key}.cls", cls) + tar_member(f"{key}.txt", b"x")
+        shard.write_bytes(good_members(1) + members + tar_end())
+    else:
+        keys = np.frombuffer(f"{key}s1s2s3".encode(), np.uint8)  # "s0" -> key, same length
+        craft_h5(shard, "__key__", lambda f, n, d: f.create_dataset(n, data=keys))
+    resync_manifest(path)
+    with pytest.raises(dlpipe.ShardCorruptError, match=message):
+        read_all(path)

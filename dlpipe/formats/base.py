@@ -17,6 +17,7 @@ A format module implements `ShardFileWriter` (add samples to one local file, clo
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import stat
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from dlpipe import storage
-from dlpipe.errors import InvalidFieldError, ShardCorruptError
+from dlpipe.errors import DlpipeError, InvalidFieldError, ShardCorruptError
 from dlpipe.manifest import ShardInfo
 from dlpipe.sample import KEY_FIELD, Sample, check_field_name, sample_fields
 
 __all__ = [
     "ShardBuilder",
+    "ShardDiskFullError",
     "ShardFileWriter",
     "ShardFormat",
     "ShardReader",
@@ -43,6 +45,10 @@ __all__ = [
 ]
 
 _INT64_MAX = (1 << 63) - 1
+
+
+class ShardDiskFullError(DlpipeError, OSError):
+    """A shard could not be written because its filesystem is full (``errno.ENOSPC``)."""
 
 
 class UnsafeShardError(ShardCorruptError):
@@ -320,25 +326,42 @@ class ShardBuilder:
         self._writer: ShardFileWriter | None = None
 
     def add(self, key: str, values: dict[str, bytes]) -> None:
-        if self._writer is None:
-            self._writer = self.fmt.writer(self.tmp_path, self.fields or list(values))
-        self._writer.add(key, check_schema(key, values, self._writer.fields))
+        with self._naming_full_disk():
+            if self._writer is None:
+                self._writer = self.fmt.writer(self.tmp_path, self.fields or list(values))
+            self._writer.add(key, check_schema(key, values, self._writer.fields))
         self.samples += 1
         self.payload_bytes += len(key) + sum(len(v) for v in values.values())
 
     def finish(self) -> ShardInfo:
         if self._writer is None:
             raise InvalidFieldError(f"shard {self.name} would hold no samples")
-        self._writer.close()
-        self._writer = None
-        info = ShardInfo(
-            name=self.name,
-            samples=self.samples,
-            bytes=os.path.getsize(self.tmp_path),
-            sha256=file_sha256(self.tmp_path),
-        )
-        storage.publish_file(self.tmp_path, self.dest, sync_folder=False)
+        with self._naming_full_disk():
+            self._writer.close()
+            self._writer = None
+            info = ShardInfo(
+                name=self.name,
+                samples=self.samples,
+                bytes=os.path.getsize(self.tmp_path),
+                sha256=file_sha256(self.tmp_path),
+            )
+            storage.publish_file(self.tmp_path, self.dest, sync_folder=False)
         return info
+
+    @contextlib.contextmanager
+    def _naming_full_disk(self) -> Iterator[None]:
+        """A full disk, however the format's library says it, is one `ShardDiskFullError`."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or isinstance(exc, ShardDiskFullError):
+                raise
+            raise ShardDiskFullError(
+                errno.ENOSPC,
+                f"No space left on device while writing shard {self.name} for {self.dest} "
+                f"({exc.strerror or exc}); free space on that disk or write the dataset to "
+                "another folder",
+            ) from None
 
     def abort(self) -> None:
         if self._writer is not None:
