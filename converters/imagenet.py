@@ -1,31 +1,29 @@
 """``imagenet``: ILSVRC2012 (ImageNet-1k) as it ships, the Kaggle download or the devkit.
 
-Layouts (``root`` is the folder the archives were extracted into):
+Layouts (``root`` is the folder the download was extracted into):
 
-- Kaggle "ImageNet Object Localization Challenge": ``LOC_synset_mapping.txt`` (one class a
-  line, ``n01440764 tench, Tinca tinca``), ``LOC_val_solution.csv`` (``ImageId,
-  PredictionString``; a row's label is the first token of its PredictionString) and
-  ``ILSVRC/Data/CLS-LOC/{train,val,test}/``; or ``train/`` and ``val/`` beside the LOC files.
-- The original devkit, as torchvision's ``ImageNet`` reads it: ``train/``, ``val/`` and
-  ``ILSVRC2012_devkit_t12/data/`` with ``meta.mat`` (the ``synsets`` struct: ILSVRC2012_ID,
-  WNID, words, num_children; the leaves, num_children == 0, are the classes) and
-  ``ILSVRC2012_validation_ground_truth.txt`` (line i: the ILSVRC2012_ID of
-  ``ILSVRC2012_val_<i as 8 digits>``). meta.mat (MATLAB v5/v7) is parsed here, bounded by size.
+- Kaggle "ImageNet Object Localization Challenge": ``LOC_synset_mapping.txt`` (a class a line,
+  ``n01440764 tench, Tinca tinca``), ``LOC_val_solution.csv`` (``ImageId,PredictionString``; the
+  label is the PredictionString's first token) and ``ILSVRC/Data/CLS-LOC/{train,val,test}/``;
+  or ``train/`` and ``val/`` beside the LOC files.
+- The devkit, as torchvision's ``ImageNet`` reads it: ``train/``, ``val/`` and
+  ``ILSVRC2012_devkit_t12/data/`` with ``meta.mat`` (struct ``synsets``: ILSVRC2012_ID, WNID,
+  words, num_children; the leaves, num_children == 0, are the classes; MATLAB v5/v7, parsed here
+  with every length checked) and ``ILSVRC2012_validation_ground_truth.txt`` (line i: the
+  ILSVRC2012_ID of ``ILSVRC2012_val_<i as 8 digits>``).
 
-``train/<wnid>/**/<image>`` gives the train labels. ``val/`` may be flat or sorted into
-sub-folders: its labels always come from the label file, matched by file stem. Classes are the
-wnids sorted (index 0 = n01440764), the same in both splits; their names are recorded as
-``class_names`` in the manifest's ``source``. The unlabelled ``test/`` is left out (named in
-``source.left_out``).
+``train/<wnid>/**/<image>`` gives the train labels; ``val/`` may be flat or sorted into folders,
+its labels always come from the label file, by file stem. Classes are the wnids sorted (index 0
+= n01440764) in both splits; their names are ``class_names`` in the manifest's ``source``. The
+unlabelled ``test/`` is left out (``source.left_out``).
 
-Produces one sample per image: the image and ``cls``, split ``train`` or ``val``. Keys: the path
-in ``train/`` without suffix, escaped (``n01440764%2Fn01440764_10026``), and a val image's stem
-(``ILSVRC2012_val_00000001``).
+Produces one sample per image: the image and ``cls``, split ``train`` or ``val``; keyed by the
+path in ``train/`` without suffix, escaped (``n01440764%2Fn01440764_10026``), or the val stem.
 
 A missing, oversized or malformed label file or split folder, or val images and labels that do
-not match one to one, is a `SourceError`; a row naming no known class skips its sample (listed
-in errors.jsonl). Only regular files and real folders inside ``root`` are read: a symbolic link
-is refused by name (a split folder or label file) or counted in ``ignored_files`` (an image).
+not pair up one to one, is a `SourceError`; a row naming no known class skips its sample (listed
+in errors.jsonl). Files are read by the raw-folder rule of `dlpipe.converters.source`; a split
+folder behind a symbolic link is refused.
 """
 
 from __future__ import annotations
@@ -105,6 +103,7 @@ def _read_label_file(root: str, path: str, max_bytes: int = _MAX_LABEL_FILE_BYTE
 
 def _kaggle_classes(root: str, path: str) -> dict[str, str]:
     """wnid → names from ``LOC_synset_mapping.txt``."""
+    shown = display_path(path)
     names: dict[str, str] = {}
     for number, line in enumerate(_read_text(root, path).splitlines(), 1):
         wnid, _, words = line.strip().partition(" ")
@@ -113,7 +112,7 @@ def _kaggle_classes(root: str, path: str) -> dict[str, str]:
         if not _WNID.fullmatch(wnid) or wnid in names:
             what = "repeats" if wnid in names else "is not a WordNet id (n and 8 digits)"
             raise SourceError(
-                f"{path} line {number}: {_shown(wnid)} {what}; each line is one class, "
+                f"{shown} line {number}: {_shown(wnid)} {what}; each line is one class, "
                 "'n01440764 tench, Tinca tinca' (restore the file from the download)"
             )
         names[wnid] = words.strip()
@@ -122,16 +121,17 @@ def _kaggle_classes(root: str, path: str) -> dict[str, str]:
 
 def _kaggle_val_labels(root: str, path: str) -> dict[str, tuple[str, str]]:
     """Val image stem → (label token, origin) from ``LOC_val_solution.csv``."""
+    shown = display_path(path)
     rows = csv.reader(io.StringIO(_read_text(root, path)))
     labels: dict[str, tuple[str, str]] = {}
     try:
         header = next(rows, [])
         if [h.strip() for h in header] != ["ImageId", "PredictionString"]:
             raise SourceError(
-                f"{path}: header {_shown(','.join(header))}, expected ImageId,PredictionString"
+                f"{shown}: header {_shown(','.join(header))}, expected ImageId,PredictionString"
             )
         for row in rows:
-            origin = f"{path} line {rows.line_num}"
+            origin = f"{shown} line {rows.line_num}"
             if not row:
                 continue
             if len(row) != 2 or row[0].strip() in labels:
@@ -140,7 +140,7 @@ def _kaggle_val_labels(root: str, path: str) -> dict[str, tuple[str, str]]:
             tokens = row[1].split()
             labels[row[0].strip()] = (tokens[0] if tokens else "", origin)
     except csv.Error as exc:
-        raise SourceError(f"{path}: not a readable CSV ({exc}); restore it") from exc
+        raise SourceError(f"{shown}: not a readable CSV ({exc}); restore it") from exc
     return labels
 
 
@@ -148,16 +148,17 @@ def _devkit_val_labels(
     root: str, path: str, id_to_wnid: dict[int, str]
 ) -> dict[str, tuple[str, str]]:
     """Val image stem → (label token, origin): line i labels ``ILSVRC2012_val_<i>``."""
+    shown = display_path(path)
     labels: dict[str, tuple[str, str]] = {}
     for number, line in enumerate(_read_text(root, path).rstrip().splitlines(), 1):
         if not _CLASS_ID.fullmatch(line.strip()):
             raise SourceError(
-                f"{path} line {number}: {_shown(line)} is not an ILSVRC2012_ID (one integer a "
+                f"{shown} line {number}: {_shown(line)} is not an ILSVRC2012_ID (one integer a "
                 "line, line i for ILSVRC2012_val_<i>); restore it from the devkit"
             )
         class_id = int(line)
         token = id_to_wnid.get(class_id, f"ILSVRC2012_ID {class_id}")
-        labels[f"ILSVRC2012_val_{number:08d}"] = (token, f"{path} line {number}")
+        labels[f"ILSVRC2012_val_{number:08d}"] = (token, f"{shown} line {number}")
     return labels
 
 
@@ -249,7 +250,7 @@ def read_synsets(root: str, path: str) -> list[tuple[Any, ...]]:
     """
     data = _read_label_file(root, path, _MAX_MAT_BYTES)
     endian = {b"IM": "<", b"MI": ">"}.get(data[126:128], "")
-    reader = _MatReader(path, endian)
+    reader = _MatReader(display_path(path), endian)
     if len(data) < 128 or not endian or data[124:126] not in (b"\x00\x01", b"\x01\x00"):
         raise reader.fail("no MATLAB 5 header; a v7.3 file must be re-saved with save -v7")
     pos = 128
@@ -272,6 +273,7 @@ def read_synsets(root: str, path: str) -> list[tuple[Any, ...]]:
 
 def _devkit_classes(root: str, path: str) -> tuple[dict[str, str], dict[int, str]]:
     """(wnid → names, ILSVRC2012_ID → wnid) of the leaf synsets in ``meta.mat``."""
+    shown = display_path(path)
     names: dict[str, str] = {}
     id_to_wnid: dict[int, str] = {}
     for number, (class_id, wnid, words, children) in enumerate(read_synsets(root, path), 1):
@@ -280,14 +282,14 @@ def _devkit_classes(root: str, path: str) -> tuple[dict[str, str], dict[int, str
         valid_id = isinstance(class_id, float) and class_id.is_integer()
         if not (valid_id and isinstance(wnid, str) and _WNID.fullmatch(wnid)) or wnid in names:
             raise SourceError(
-                f"{path}: synset {number} has ILSVRC2012_ID {class_id!r} and WNID {wnid!r}; "
+                f"{shown}: synset {number} has ILSVRC2012_ID {class_id!r} and WNID {wnid!r}; "
                 "each leaf needs an integer id and its own wnid (re-extract the devkit)"
             )
         names[wnid] = words if isinstance(words, str) else ""
         id_to_wnid[int(class_id)] = wnid
     if not names:
         raise SourceError(
-            f"{path}: 'synsets' has no leaves (fields {', '.join(_SYNSET_FIELDS)}, "
+            f"{shown}: 'synsets' has no leaves (fields {', '.join(_SYNSET_FIELDS)}, "
             "num_children == 0); re-extract the devkit"
         )
     return names, id_to_wnid
@@ -409,6 +411,7 @@ class ImageNetSource(Source):
         labels: dict[str, tuple[str, str]],
     ) -> tuple[list[Item], int]:
         found, ignored = self._images(tree, layout, "val")
+        classes_file = display_path(layout.classes_file)
         stems: dict[str, str] = {}
         for rel, item in found:
             stem = rel.rpartition("/")[2]
@@ -422,12 +425,12 @@ class ImageNetSource(Source):
             problem = None
             if token not in index:
                 what = f"the label {_shown(token)} is not" if token else "no label; it needs"
-                problem = f"{origin}: {what} one of the {len(index)} classes"
+                problem = f"{origin}: {what} one of the {len(index)} classes of {classes_file}"
             items.append(replace(item, label=index.get(token), ref=(item.ref, problem)))
         if all(item.label is None for item in items):
             raise SourceError(
                 f"{items[0].ref[1]}, nor is any other val label: {display_path(layout.labels_file)}"
-                f" does not go with {display_path(layout.classes_file)} (restore both)"
+                f" does not go with {classes_file} (restore both from the download)"
             )
         return items, ignored
 
@@ -435,7 +438,7 @@ class ImageNetSource(Source):
         """The image's bytes; a val sample whose label row names no class raises SampleError."""
         path, problem = item.ref
         if problem:
-            raise SampleError(f"{problem}; the sample is skipped")
+            raise SampleError(problem)
         return {"image": read_file(path, self.raw_folder)}
 
 

@@ -461,3 +461,14 @@ def test_hostile_meta_mat_is_refused_in_bounded_memory(tmp_path: Path, make) -> 
     assert done.returncode == 0 and not done.stderr, done.stderr
     assert done.stdout.startswith(f"{path}: not a readable MATLAB file (")
     assert ("cannot fit" if make is _huge_struct else "decompresses past 16 MiB") in done.stdout
+
+
+def test_png_named_jpeg_as_in_the_real_train_set_is_stored_as_jpeg(tmp_path: Path) -> None:
+    raw = make_kaggle(tmp_path / "raw", flat=True)
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buffer, "PNG")  # n02105855_2933.JPEG
+    (raw / "train" / "n01440764" / "n01440764_2.JPEG").write_bytes(buffer.getvalue())
+    assert convert(raw, tmp_path / "out") == 0
+    dataset = dlpipe.open_dataset(tmp_path / "out", "train", rank=0, world_size=1)
+    stored = {s["__key__"]: s["jpg"] for s in dataset}
+    assert stored["n01440764%2Fn01440764_2"][:3] == b"\xff\xd8\xff"
