@@ -49,6 +49,7 @@ from dlpipe.converters.source import (
     SourceError,
     display_path,
     image_kind_of_name,
+    raw_folder_of,
     read_file,
 )
 from dlpipe.sample import make_key
@@ -96,7 +97,7 @@ def _read_label_file(root: str, path: str, max_bytes: int = _MAX_LABEL_FILE_BYTE
             f"{display_path(path)} is missing; it holds the labels (restore it from the download)"
         )
     try:
-        return read_file(path, os.path.realpath(root), max_bytes=max_bytes)
+        return read_file(path, raw_folder_of(root), max_bytes=max_bytes)
     except SampleError as exc:
         raise SourceError(str(exc)) from exc  # it names the file, the problem and the fix
 
