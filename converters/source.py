@@ -256,7 +256,7 @@ def open_regular(path: str, folder: str | None = None) -> BinaryIO:
     Raises:
         SampleError: the file is missing, unreadable, outside `folder` or not a regular file.
     """
-    target, flags = path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    target, flags = path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if folder is not None:
         target, flags = os.path.realpath(path), flags | getattr(os, "O_NOFOLLOW", 0)
         if not is_inside(target, folder):
@@ -326,7 +326,10 @@ class RawTree:
     def __init__(self, root: str) -> None:
         self.folder = os.path.realpath(root)
         self.skipped: dict[str, str] = {}  # shown path -> reason, in the order found
-        info = os.stat(self.folder)
+        try:
+            info = os.stat(self.folder)
+        except OSError as exc:
+            raise SourceError(f"{display_path(root)}: cannot be read ({exc.strerror})") from exc
         self._seen: set[tuple[int, int]] = {(info.st_dev, info.st_ino)}
 
     def skip(self, path: str, reason: str) -> None:

@@ -259,6 +259,20 @@ def test_keep_empty_classes_keeps_the_label_with_a_warning(tmp_path: Path, caplo
     assert "bird" in caplog.text and "no images" in caplog.text
 
 
+def test_a_prepared_dataset_inside_the_raw_folder_is_not_a_class(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    real = make_raw(raw)
+    assert main(["convert", str(raw), "--to", "wds", "--out", str(tmp_path / "old")]) == 0
+    os.rename(tmp_path / "old", raw / "old-wds")  # a user tidies the output into the raw data
+    assert main(["convert", str(raw), "--to", "wds", "--out", str(tmp_path / "new")]) == 0
+    manifest = dlpipe.read_manifest(str(tmp_path / "new"))
+    assert manifest.classes == CLASSES
+    assert sum(s.samples for s in manifest.splits.values()) == len(real)
+    assert manifest.source["skipped_examples"] == [
+        {"path": str(raw / "old-wds"), "reason": "a prepared dataset (dlpipe.json), not a class"}
+    ]
+
+
 # --- 4. any file name works ----------------------------------------------------------------
 
 
@@ -294,6 +308,8 @@ def test_cjk_and_overlong_names_convert_with_stable_shortened_keys(tmp_path: Pat
         assert main(["convert", str(raw), "--to", "wds", "--out", str(out), "--workers", "1"]) == 0
         keys.append(sorted(s["__key__"] for s in all_samples(out)))
     assert keys[0] == keys[1]  # stable across runs
+    records = [json.loads(x) for x in (tmp_path / "first" / "keys.jsonl").read_text().splitlines()]
+    assert sorted(r["original"] for r in records) == sorted(f"cat/{s}.jpg" for s in long_names)
     assert len(set(keys[0])) == len(make_raw(tmp_path / "count")) + 4
     scan = ImageFolderSource(str(raw)).scan()
     originals = {it.original: it for it in scan.items if it.original}
@@ -437,16 +453,32 @@ def test_files_source_class_list_that_is_a_fifo_is_one_error_line(tmp_path: Path
 # --- 6. a folder that cannot be listed is one error line, not a silently missing class -------
 
 
-def test_unlistable_class_folder_is_one_error_line(tmp_path: Path, capsys) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root lists any folder whatever its mode")
+@pytest.mark.parametrize("how", ["chmod", "denied"])
+def test_unlistable_class_folder_is_one_error_line(
+    tmp_path: Path, capsys, monkeypatch, how: str
+) -> None:
     raw = tmp_path / "raw"
     make_raw(raw)
-    (raw / "dog").chmod(0)
+    locked = raw / "dog"
+    if how == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root lists any folder whatever its mode (the 'denied' case covers it)")
+        locked.chmod(0)
+    else:  # as root: the kernel's answer for a folder we may not list, without chmod
+        scandir = os.scandir
+
+        def refusing_scandir(path: str) -> object:
+            if os.fspath(path) == str(locked):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return scandir(path)
+
+        monkeypatch.setattr(os, "scandir", refusing_scandir)
     try:
         code = main(["convert", str(raw), "--to", "wds", "--out", str(tmp_path / "o")])
     finally:
-        (raw / "dog").chmod(0o755)
+        locked.chmod(0o755)
+        monkeypatch.undo()
     assert code == 2
     captured = capsys.readouterr()
-    one_error_line(captured.out, captured.err, str(raw / "dog"), "cannot be listed")
+    one_error_line(captured.out, captured.err, str(locked), "cannot be listed", "Permission")
+    assert not (tmp_path / "o" / "dlpipe.json").exists()
