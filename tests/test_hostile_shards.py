@@ -8,12 +8,14 @@ limit and a timeout, so an unbounded read or a hang fails the test instead of th
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import resource
 import select
 import signal
 import struct
+import subprocess
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,7 @@ from conftest import write_dataset
 from test_bad_input import first_shard, resync_manifest
 
 import dlpipe
+import dlpipe.formats.lmdb
 from dlpipe.cli import main
 from dlpipe.formats.base import UnsafeShardError
 
@@ -607,3 +610,58 @@ def test_bad_keys_and_labels_in_tar_and_hdf5_are_refused(fmt, key, cls, message,
     resync_manifest(path)
     with pytest.raises(dlpipe.ShardCorruptError, match=message):
         read_all(path)
+
+
+# ---------------------------------------------------------------- a full disk while writing
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    """A 2 MiB tmpfs: writing more than that fills it, as a real disk fills."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mount)],
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], timeout=30, check=False)
+
+
+BIG = [{"__key__": f"b{i}", "cls": b"1", "txt": os.urandom(100_000)} for i in range(30)]
+
+
+@pytest.mark.parametrize("fmt", ["wds", "lmdb", "hdf5"])
+def test_a_full_disk_is_enospc_naming_the_shard_and_leaves_nothing(fmt, full_disk) -> None:
+    from dlpipe.formats import FORMATS, write_shard
+    from dlpipe.formats.base import ShardDiskFullError
+
+    name = FORMATS[fmt].shard_name("train", 0)
+    with pytest.raises(ShardDiskFullError) as caught:
+        write_shard(FORMATS[fmt], str(full_disk), name, BIG)
+    assert isinstance(caught.value, OSError) and caught.value.errno == errno.ENOSPC
+    message = str(caught.value)
+    assert message.startswith("[Errno 28] No space left on device: writing shard " + name)
+    assert str(full_disk) in message and "\n" not in message
+    assert os.listdir(full_disk) == []  # no partial shard, no staging folder
+
+
+def test_a_full_disk_through_the_dataset_writer_publishes_nothing(full_disk) -> None:
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        write_dataset(full_disk / "out", "lmdb", {"train": BIG}, max_shard_samples=None)
+    assert caught.value.errno == errno.ENOSPC
+    left = os.listdir(full_disk / "out")
+    assert "dlpipe.json" not in left and not [n for n in left if n.endswith(".lmdb")]
+
+
+def test_lmdb_grows_a_full_map_and_retries(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(dlpipe.formats.lmdb, "_INITIAL_MAP_BYTES", 64 << 10)
+    monkeypatch.setattr(dlpipe.formats.lmdb, "_COMMIT_EVERY_BYTES", 256 << 10)
+    path = tiny_dataset(tmp_path, "lmdb", BIG)
+    assert [s["txt"] for s in read_all(path)] == [s["txt"] for s in BIG]

@@ -7,12 +7,27 @@ extensions. Add a format by writing one module with a `ShardFormat` and register
 from __future__ import annotations
 
 from dlpipe.errors import ManifestError, UnsupportedStorageError
-from dlpipe.formats.base import ShardFormat, ShardReader, write_shard
+from dlpipe.formats.base import (
+    ShardDiskFullError,
+    ShardFormat,
+    ShardReader,
+    UnsafeShardError,
+    write_shard,
+)
 from dlpipe.formats.hdf5 import HDF5
 from dlpipe.formats.lmdb import LMDB
 from dlpipe.formats.wds import WDS
 
-__all__ = ["FORMATS", "ShardFormat", "ShardReader", "get_format", "require_storage", "write_shard"]
+__all__ = [
+    "FORMATS",
+    "ShardDiskFullError",
+    "ShardFormat",
+    "ShardReader",
+    "UnsafeShardError",
+    "get_format",
+    "require_storage",
+    "write_shard",
+]
 
 FORMATS: dict[str, ShardFormat] = {fmt.name: fmt for fmt in (WDS, LMDB, HDF5)}
 

@@ -356,11 +356,11 @@ class ShardBuilder:
         except OSError as exc:
             if exc.errno != errno.ENOSPC or isinstance(exc, ShardDiskFullError):
                 raise
+            folder = os.path.dirname(self.dest) if not storage.is_url(self.dest) else self.dest
             raise ShardDiskFullError(
                 errno.ENOSPC,
-                f"No space left on device while writing shard {self.name} for {self.dest} "
-                f"({exc.strerror or exc}); free space on that disk or write the dataset to "
-                "another folder",
+                f"No space left on device: writing shard {self.name} into {folder} failed; "
+                "free space on that disk or write the dataset to another folder",
             ) from None
 
     def abort(self) -> None:

@@ -31,8 +31,9 @@ read. ``dlpipe verify`` runs each shard in a child process, so such a shard is r
 corrupt rather than ending the run; the loader's worker processes contain it the same way.
 
 **Full disk while writing.** LMDB says so in many ways (``lmdb.DiskError``, ``mdb_txn_commit:
-Input/output error``, "No space left on device"); each becomes ``OSError(errno.ENOSPC)``, which
-`dlpipe.formats.base.ShardBuilder` names with the shard. A full map is grown and retried.
+Input/output error`` when the disk is nearly full, "No space left on device"); each becomes
+``OSError(errno.ENOSPC)``, which `dlpipe.formats.base.ShardBuilder` names with the shard. A
+full map (``MapFullError``) is grown and the batch retried.
 """
 
 from __future__ import annotations
@@ -68,17 +69,23 @@ _P_META = 0x08
 _P_INVALID = (1 << 64) - 1
 _MIN_PAGE, _MAX_PAGE = 512, 1 << 16
 _MAX_DEPTH = 32  # LMDB's cursor stack
-_FULL_DISK_MESSAGES = ("No space left", "Input/output error", "Disk quota exceeded")
 
 
 def index_key(index: int) -> bytes:
     return _INDEX.pack(index)
 
 
-def _disk_error(exc: lmdb.Error) -> OSError:
-    """What LMDB raised while writing, as the `OSError` the filesystem meant."""
+def _disk_error(exc: lmdb.Error, path: str) -> OSError:
+    """What LMDB raised while writing `path`, as the `OSError` the filesystem meant.
+
+    LMDB reports a full disk as ENOSPC, or as EIO when the write of a commit fails: an EIO with
+    less than two commit batches free on the disk is taken as full.
+    """
     text = str(exc)
-    full = isinstance(exc, lmdb.DiskError) or any(m in text for m in _FULL_DISK_MESSAGES)
+    full = isinstance(exc, lmdb.DiskError) or "No space left" in text
+    if not full and "Input/output error" in text:
+        disk = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        full = disk.f_bavail * disk.f_frsize < 2 * _COMMIT_EVERY_BYTES
     code = errno.ENOSPC if full else errno.EIO
     return OSError(code, f"{os.strerror(code)} (LMDB: {text})")
 
@@ -98,7 +105,7 @@ class LmdbWriter(ShardFileWriter):
                 max_dbs=0,
             )
         except lmdb.Error as exc:
-            raise _disk_error(exc) from exc
+            raise _disk_error(exc, self.path) from exc
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         self._count = 0
@@ -122,7 +129,7 @@ class LmdbWriter(ShardFileWriter):
                 except lmdb.MapFullError:  # grow deterministically and retry the whole batch
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
         except lmdb.Error as exc:
-            raise _disk_error(exc) from exc
+            raise _disk_error(exc, self.path) from exc
         self._pending.clear()
         self._pending_bytes = 0
 
@@ -138,7 +145,7 @@ class LmdbWriter(ShardFileWriter):
         try:
             self._env.sync(True)
         except lmdb.Error as exc:
-            raise _disk_error(exc) from exc
+            raise _disk_error(exc, self.path) from exc
         finally:
             self._env.close()
 

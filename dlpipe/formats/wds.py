@@ -90,7 +90,7 @@ class _StrictTarInfo(tarfile.TarInfo):
         if self.type in _REFUSED_TYPES:
             raise _RefusedHeader(f"header at byte {self.offset} is {_REFUSED_TYPES[self.type]}")
         if self.type not in _EXTENDED_TYPES:
-            return super()._proc_member(tarfile)
+            return super()._proc_member(tarfile)  # type: ignore[misc]  # private in typeshed
         if self.size > _MAX_EXTENDED_HEADER_BYTES:
             raise _RefusedHeader(
                 f"extended header at byte {self.offset} claims {self.size} bytes "
@@ -100,7 +100,7 @@ class _StrictTarInfo(tarfile.TarInfo):
             raise _RefusedHeader(f"extended header at byte {self.offset} follows another one")
         tarfile._dlpipe_in_extended = True
         try:
-            return super()._proc_member(tarfile)
+            return super()._proc_member(tarfile)  # type: ignore[misc]  # private in typeshed
         finally:
             tarfile._dlpipe_in_extended = False
 
@@ -157,7 +157,7 @@ def _open_tar(f: IO[bytes]) -> tarfile.TarFile:
 def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
     """The members in order, keeping none: tarfile's own iteration lists every one it saw."""
     while (member := tar.next()) is not None:
-        tar.members.clear()
+        tar.members.clear()  # type: ignore[attr-defined]  # not in typeshed
         yield member
 
 
