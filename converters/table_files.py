@@ -407,10 +407,12 @@ def _image_arrays(chunk: pa.Array, cols: Columns, name: str) -> tuple[pa.Array, 
     )
 
 
-def _path_size(path: str, raw_folder: str) -> int:
+def _path_size(path: str, folders: tuple[str, ...]) -> int:
     """A listed image's size on disk; 0 when missing, not a regular file, or plainly outside
-    the raw folder (`read_file` checks links out of it when the image is read)."""
-    if not path or not is_inside(os.path.abspath(path), raw_folder):
+    the raw folder, as given or as its real path (`read_file` checks links out of it when
+    the image is read)."""
+    shown = os.path.abspath(path)
+    if not path or not any(is_inside(shown, folder) for folder in folders):
         return 0
     try:
         info = os.stat(path)
@@ -419,7 +421,7 @@ def _path_size(path: str, raw_folder: str) -> int:
     return info.st_size if stat.S_ISREG(info.st_mode) else 0
 
 
-def _add_image_facts(scan: FileScan, column: pa.ChunkedArray, raw_folder: str) -> None:
+def _add_image_facts(scan: FileScan, column: pa.ChunkedArray, folders: tuple[str, ...]) -> None:
     """Per row: estimated size, image kind, and the image path (None for embedded bytes)."""
     folder = os.path.dirname(scan.path)
     for chunk in column.chunks:  # chunk by chunk: no copy of a whole column of images
@@ -433,7 +435,7 @@ def _add_image_facts(scan: FileScan, column: pa.ChunkedArray, raw_folder: str) -
                 scan.images.append(None)
                 continue
             full = os.path.join(folder, path) if path else ""
-            scan.sizes.append(_path_size(full, raw_folder))
+            scan.sizes.append(_path_size(full, folders))
             scan.kinds.append(image_kind_of_name(path) if path else None)
             scan.images.append(path)
 
@@ -463,5 +465,6 @@ def scan_file(path: str, root: str, options: SourceOptions) -> FileScan:
     scan.splits = _row_splits(table, cols, scan)
     scan.labels = table.column(cols.label).to_pylist() if cols.label else [None] * table.num_rows
     scan.ids = table.column(cols.key).to_pylist() if cols.key else []
-    _add_image_facts(scan, table.column(cols.image), folder)
+    given = os.path.abspath(root if os.path.isdir(root) else os.path.dirname(root))
+    _add_image_facts(scan, table.column(cols.image), (given, folder))
     return scan
