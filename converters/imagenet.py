@@ -30,16 +30,12 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import os
 import re
-import struct
-import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
-
+from dlpipe.converters.matfile import read_struct_rows
 from dlpipe.converters.source import (
     Item,
     RawTree,
@@ -63,10 +59,6 @@ _TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 _WNID, _CLASS_ID = re.compile(r"n[0-9]{8}"), re.compile(r"[0-9]{1,9}")
 _MAX_LABEL_FILE_BYTES = 64 << 20  # LOC_val_solution.csv is 2.4 MB
 _MAX_MAT_BYTES = 16 << 20  # meta.mat, as read and decompressed (about 1.5 MB in the devkit)
-_MAT_NUMBERS = {1: "i1", 2: "u1", 3: "i2", 4: "u2", 5: "i4", 6: "u4", 7: "f4", 9: "f8",
-                12: "i8", 13: "u8"}  # fmt: skip
-_MAT_TEXT = {16: "utf-8", 4: "utf-16", 17: "utf-16", 2: "latin-1", 1: "latin-1"}
-_MI_MATRIX, _MI_COMPRESSED, _MX_STRUCT, _MX_CHAR = 14, 15, 2, 4
 _SYNSET_FIELDS = ("ILSVRC2012_ID", "WNID", "words", "num_children")
 
 
@@ -163,85 +155,6 @@ def _devkit_val_labels(
     return labels
 
 
-class _MatReader:
-    """The subset of MATLAB v5 data elements meta.mat uses, every length checked."""
-
-    def __init__(self, path: str, endian: str) -> None:
-        self.path, self.endian = path, endian
-
-    def fail(self, what: str) -> SourceError:
-        return SourceError(f"{self.path}: not a readable MATLAB file ({what}); re-extract it")
-
-    def element(self, buf: bytes, pos: int) -> tuple[int, bytes, int]:
-        """(type, payload, position of the next element) of the element at `pos`."""
-        if pos + 8 > len(buf):
-            raise self.fail(f"an element at byte {pos} is cut short")
-        kind, size = struct.unpack_from(self.endian + "II", buf, pos)
-        if kind >> 16:  # small element: size and type share a word, the data the next
-            size, kind = kind >> 16, kind & 0xFFFF
-            if size > 4:
-                raise self.fail(f"a small element of {size} bytes")
-            return kind, buf[pos + 4 : pos + 4 + size], pos + 8
-        end = pos + 8 + size
-        if end > len(buf):
-            raise self.fail(f"an element at byte {pos} runs {end - len(buf)} bytes past its end")
-        padded = end if kind == _MI_COMPRESSED else pos + 8 + (size + 7) // 8 * 8
-        return kind, buf[pos + 8 : end], min(padded, len(buf))
-
-    def numbers(self, kind: int, data: bytes) -> np.ndarray:
-        code = _MAT_NUMBERS.get(kind)
-        if code is None or len(data) % np.dtype(code).itemsize:
-            raise self.fail(f"{len(data)} bytes of type {kind} where numbers belong")
-        return np.frombuffer(data, dtype=self.endian + code)
-
-    def matrix(self, body: bytes, top: bool) -> tuple[str, Any]:
-        """(name, value) of a miMATRIX: a struct (top level only) → rows, char → str, a number."""
-        if not body:
-            return "", None
-        kind, flags, pos = self.element(body, 0)
-        kind_dims, dims_data, pos = self.element(body, pos)
-        _, name, pos = self.element(body, pos)
-        matlab_class = int(self.numbers(kind, flags)[:1].sum()) & 0xFF
-        dims = self.numbers(kind_dims, dims_data).tolist()
-        if kind_dims not in (5, 6) or len(dims) > 8 or min(dims, default=0) < 0:
-            raise self.fail(f"a matrix of dimensions {dims[:9]}")
-        count = math.prod(dims)
-        if matlab_class == _MX_STRUCT and top:
-            return name.decode("latin-1"), self.struct_rows(body, pos, count)
-        if matlab_class == _MX_CHAR or 6 <= matlab_class <= 15:
-            kind, data, _ = self.element(body, pos)
-            if matlab_class == _MX_CHAR:
-                codec = _MAT_TEXT.get(kind, "")
-                if codec == "utf-16":
-                    codec += "-le" if self.endian == "<" else "-be"
-                return "", data.decode(codec or "?", "replace") if codec else None
-            values = self.numbers(kind, data)
-            return "", float(values[0]) if values.size else None
-        return "", None
-
-    def struct_rows(self, body: bytes, pos: int, count: int) -> list[tuple[Any, ...]]:
-        kind, length_data, pos = self.element(body, pos)
-        _, names, pos = self.element(body, pos)
-        length = int(self.numbers(kind, length_data)[:1].sum())
-        if not 0 < length <= 64 or len(names) % length:
-            raise self.fail(f"struct field names of {len(names)} bytes in {length}-byte slots")
-        fields = [names[i : i + length].split(b"\0")[0].decode("latin-1")
-                  for i in range(0, len(names), length)]  # fmt: skip
-        if count * len(fields) * 8 > len(body) - pos:
-            raise self.fail(f"{count} struct elements cannot fit in {len(body) - pos} bytes")
-        wanted = [fields.index(f) if f in fields else -1 for f in _SYNSET_FIELDS]
-        rows = []
-        for _ in range(count):
-            values = []
-            for _field in fields:
-                kind, value, pos = self.element(body, pos)
-                if kind != _MI_MATRIX:
-                    raise self.fail(f"a struct field of type {kind}, expected a matrix")
-                values.append(self.matrix(value, top=False)[1])
-            rows.append(tuple(values[i] if i >= 0 else None for i in wanted))
-        return rows
-
-
 def read_synsets(root: str, path: str) -> list[tuple[Any, ...]]:
     """The ``synsets`` rows of a devkit ``meta.mat``: (ILSVRC2012_ID, WNID, words, num_children).
 
@@ -250,26 +163,7 @@ def read_synsets(root: str, path: str) -> list[tuple[Any, ...]]:
             or without a ``synsets`` struct.
     """
     data = _read_label_file(root, path, _MAX_MAT_BYTES)
-    endian = {b"IM": "<", b"MI": ">"}.get(data[126:128], "")
-    reader = _MatReader(display_path(path), endian)
-    if len(data) < 128 or not endian or data[124:126] not in (b"\x00\x01", b"\x01\x00"):
-        raise reader.fail("no MATLAB 5 header; a v7.3 file must be re-saved with save -v7")
-    pos = 128
-    while pos < len(data):
-        kind, body, pos = reader.element(data, pos)
-        if kind == _MI_COMPRESSED:
-            try:
-                inflated = zlib.decompressobj().decompress(body, _MAX_MAT_BYTES + 1)
-            except zlib.error as exc:
-                raise reader.fail(f"damaged compressed data: {exc}") from exc
-            if len(inflated) > _MAX_MAT_BYTES:
-                raise reader.fail("a variable decompresses past 16 MiB")
-            kind, body, _ = reader.element(inflated, 0)
-        if kind == _MI_MATRIX:
-            name, rows = reader.matrix(body, top=True)
-            if name == "synsets" and isinstance(rows, list):
-                return rows
-    raise reader.fail("no 'synsets' struct")
+    return read_struct_rows(data, display_path(path), "synsets", _SYNSET_FIELDS, _MAX_MAT_BYTES)
 
 
 def _devkit_classes(root: str, path: str) -> tuple[dict[str, str], dict[int, str]]:
