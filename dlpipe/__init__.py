@@ -24,7 +24,7 @@ from dlpipe.formats.writer import DatasetWriter, ShardLimits
 from dlpipe.inspection import describe_dataset
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
 from dlpipe.profile import LoaderProfile, ProfileError, find_profile, save_profile
-from dlpipe.sample import Sample, check_key, escape_key, unescape_key
+from dlpipe.sample import Sample, check_key, escape_key, make_key, unescape_key
 from dlpipe.verify import Problem, VerifyReport, verify_dataset
 
 # these import torch: only on first use, so the CLI and converters start fast
@@ -80,6 +80,7 @@ __all__ = [
     "describe_dataset",
     "encode_field",
     "escape_key",
+    "make_key",
     "field_type",
     "find_profile",
     "get_format",
