@@ -32,12 +32,13 @@ import torch.utils.data
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dlpipe.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
+from dlpipe.errors import DlpipeError
 from dlpipe.profile import LoaderProfile, select_profile
 from dlpipe.sample import KEY_FIELD, Sample
 from dlpipe.sampler import EpochSampler
 from dlpipe.transforms import ImageTransform, image_field
 
-__all__ = ["make_loader"]
+__all__ = ["LoaderStateError", "make_loader", "saved_num_workers"]
 
 SampleFn = Callable[[Sample], Any]
 
@@ -154,10 +155,78 @@ def _apply(transform: Callable[..., Any] | None, sample: Sample, epoch: int, ind
     return transform(sample)
 
 
-def _ignore_sigint(worker_id: int) -> None:
-    """Ctrl-C reaches the whole process group: the main process decides (e.g. the trainer
-    checkpoints first), and a worker killed under it would only break the next fetch."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A worker ignores SIGINT, SIGTERM and SIGHUP: Ctrl-C, Slurm, systemd and a closed
+    terminal signal the whole process group, and the main process decides (the trainer
+    checkpoints first); a worker killed under it would only break the next fetch. The signals
+    were blocked when the worker started (`_StopSafeLoader`), so none slips in before this."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP while workers start: they inherit the mask (fork and spawn
+    alike) and unblock it only once they ignore the signals; the main process gets any
+    signal that came meanwhile as soon as this block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class LoaderStateError(DlpipeError, ValueError):
+    """A saved loader state does not fit this loader (another worker count)."""
+
+    def __init__(self, saved_workers: int, workers: int) -> None:
+        super().__init__(
+            f"the saved loader state was taken with num_workers={saved_workers}, this loader "
+            f"has num_workers={workers}; a state resumes exactly only with the same count: "
+            f"make the loader with num_workers={saved_workers}"
+        )
+        self.saved_workers, self.workers = saved_workers, workers
+
+
+def saved_num_workers(state: Any) -> int | None:
+    """The ``num_workers`` a ``StatefulDataLoader`` state was taken with (None: unknown)."""
+    if not isinstance(state, dict):
+        return None
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, dict) and isinstance(snapshot.get("_worker_snapshots"), dict):
+        return len(snapshot["_worker_snapshots"])
+    return 0 if "_sampler_iter_state" in state or "dataset_state" in state else None
+
+
+class _StopSafeLoader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` whose workers never die of a stop signal meant for the main
+    process, and whose `close` ends them."""
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        with _stop_signals_blocked():
+            return super()._get_iterator()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a `state_dict` taken with the same ``num_workers`` (else `LoaderStateError`)."""
+        saved = saved_num_workers(state_dict)
+        if saved is not None and saved != self.num_workers:
+            raise LoaderStateError(saved, self.num_workers)
+        super().load_state_dict(state_dict)
+
+    def close(self) -> None:
+        """End the worker processes now (they end with the loader's garbage collection
+        otherwise; a trainer that runs in-process must not leave them behind)."""
+        iterator = getattr(self, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._iterator = None
 
 
 def _collate(batch: list[Any]) -> Any:
@@ -255,7 +324,7 @@ def make_loader(
     if workers > 0:
         options["prefetch_factor"] = prefetch_factor or 2
         options["multiprocessing_context"] = multiprocessing_context
-        options["worker_init_fn"] = _ignore_sigint
+        options["worker_init_fn"] = _ignore_stop_signals
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(
             len(dataset),
@@ -274,4 +343,4 @@ def make_loader(
 def _quiet_loader(dataset: Any, **options: Any) -> StatefulDataLoader:
     with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on creation
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return StatefulDataLoader(dataset, **options)
+        return _StopSafeLoader(dataset, **options)

@@ -6,6 +6,13 @@ the same folder, fsynced, then renamed, so a crash leaves the previous checkpoin
 never a truncated file under a real name. Every value is a tensor or plain data, so
 ``torch.load(path, weights_only=True)`` loads it; model state dicts carry no ``module.`` or
 ``_orig_mod.`` prefixes.
+
+A run folder holds one run's timeline. On resume, step checkpoints newer than the one resumed
+from (broken ones that did not load, or the abandoned end of a timeline an older checkpoint was
+explicitly resumed from) are renamed ``*.pt.broken`` / ``*.pt.superseded``, never deleted and
+never taken by a later ``--resume auto``; pruning keeps the checkpoint just written and the
+newest whole ones before it. Temp files of a write that was killed are removed on the next
+start (only dlpipe's own temp names).
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from __future__ import annotations
 import os
 import random
 import re
+import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -24,13 +33,17 @@ from dlpipe.errors import DlpipeError
 __all__ = [
     "CheckpointError",
     "check_resumable",
+    "check_same_model",
+    "check_same_optimizer",
     "checkpoint_dir",
     "list_checkpoints",
     "load_checkpoint",
     "newest_checkpoint",
     "prune_checkpoints",
+    "remove_temp_files",
     "rng_state",
     "save_checkpoint",
+    "set_aside_newer",
     "set_rng_state",
     "strip_prefixes",
 ]
@@ -39,6 +52,11 @@ FORMAT = "dlpipe-checkpoint"
 VERSION = 1
 BEST_NAME = "best.pt"
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
+_TEMP_FILE = re.compile(r"^(step-\d{8,}\.pt|\.best\.pt)\.tmp-\d+$")  # save_checkpoint's
+REQUIRED_KEYS = (
+    "step", "epoch", "model", "optimizer", "scheduler", "runner", "trainer", "world_size",
+    "classes", "ranks",
+)  # fmt: skip
 
 
 class CheckpointError(DlpipeError, ValueError):
@@ -82,10 +100,11 @@ def _link_or_copy(src: str, dest: str) -> None:
         shutil.copyfile(src, dest)
 
 
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True`` onto the CPU."""
+def load_checkpoint(path: str, *, mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True`` onto the CPU (`mmap`: tensors stay in the
+    file, read only when touched, for a check that needs the keys and shapes)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except Exception as exc:  # truncated zip, not a torch file, a pickled object
@@ -99,7 +118,59 @@ def load_checkpoint(path: str) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} has version {state.get('version')}, this dlpipe reads {VERSION}"
         )
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks {', '.join(missing)}: it was not written whole by "
+            "dlpipe train; resume from another checkpoint, or start afresh in another --out"
+        )
     return state
+
+
+def check_same_model(state: Mapping[str, Any], path: str, model: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose model weights are not this model's, naming the first key."""
+    saved = state["model"]
+    for key, tensor in model.items():
+        if key not in saved:
+            problem = f"lacks {key!r}"
+        elif tuple(saved[key].shape) != tuple(tensor.shape):
+            problem = (
+                f"holds {key!r} with shape {list(saved[key].shape)}, this model "
+                f"{list(tensor.shape)}"
+            )
+        else:
+            continue
+        break
+    else:
+        extra = [key for key in saved if key not in model]
+        if not extra:
+            return
+        problem = f"holds {extra[0]!r}, which this model does not have"
+    was = state.get("config", {}).get("model", {}).get("name", "another model")
+    raise CheckpointError(
+        f"checkpoint {path} is of another model: it {problem}; it was trained with --model "
+        f"{was}: resume with that model, or start afresh in another --out"
+    )
+
+
+def check_same_optimizer(
+    state: Mapping[str, Any], path: str, name: str, optimizer: torch.optim.Optimizer
+) -> None:
+    """Refuse a checkpoint of another optimizer (kind or parameter groups)."""
+    was = state.get("config", {}).get("optim", {}).get("optimizer")
+    groups = state["optimizer"].get("param_groups", [])
+    if was is not None and was != name:
+        problem = f"is of --optimizer {was}, this run uses {name}"
+    elif [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        saved = [len(g["params"]) for g in groups]
+        now = [len(g["params"]) for g in optimizer.param_groups]
+        problem = f"has parameter groups of {saved} parameters, this run {now}"
+    else:
+        return
+    raise CheckpointError(
+        f"checkpoint {path} {problem}; resume with the optimizer it was trained with "
+        f"(--optimizer {was or name}), or start afresh in another --out"
+    )
 
 
 def check_resumable(state: dict[str, Any], path: str, world_size: int, classes: list[str]) -> None:
@@ -128,23 +199,95 @@ def list_checkpoints(run_dir: str) -> list[str]:
     return [os.path.join(folder, name) for _, name in sorted(steps, reverse=True)]
 
 
-def newest_checkpoint(run_dir: str) -> tuple[str, dict[str, Any], list[str]] | None:
-    """The newest checkpoint that loads, its state, and the newer ones that did not."""
+def newest_checkpoint(
+    run_dir: str, *, mmap: bool = False
+) -> tuple[str, dict[str, Any], list[str]] | None:
+    """The newest checkpoint that loads, its state, and the newer ones that did not.
+
+    Returns None when the run has no step checkpoint.
+
+    Raises:
+        CheckpointError: every checkpoint is broken (each one named): resuming from none of
+            them would silently start the run again from step 0.
+    """
     broken: list[str] = []
-    for path in list_checkpoints(run_dir):
+    paths = list_checkpoints(run_dir)
+    for path in paths:
         try:
-            return path, load_checkpoint(path), broken
+            return path, load_checkpoint(path, mmap=mmap), broken
         except CheckpointError as exc:
             broken.append(str(exc))
-    return None
+    if not paths:
+        return None
+    raise CheckpointError(
+        f"none of the {len(paths)} checkpoints in {checkpoint_dir(run_dir)} loads, so the run "
+        "cannot resume: " + " | ".join(broken) + ". Resume from a copy with --resume PATH, or "
+        "start afresh in another --out"
+    )
 
 
-def prune_checkpoints(run_dir: str, keep_last: int) -> list[str]:
-    """Remove all but the newest `keep_last` step checkpoints (``best.pt`` stays)."""
-    removed = list_checkpoints(run_dir)[keep_last:]
+def set_aside_newer(run_dir: str, step: int, suffix: str) -> list[str]:
+    """Rename the step checkpoints newer than `step` out of the run's timeline.
+
+    `suffix` is ``.broken`` (they did not load) or ``.superseded`` (an older checkpoint was
+    resumed from explicitly): a later ``--resume auto`` never takes them, and nothing is
+    deleted. Returns the new names.
+    """
+    moved = []
+    for path in list_checkpoints(run_dir):
+        if _step_of(path) > step:
+            os.replace(path, path + suffix)
+            moved.append(path + suffix)
+    return moved
+
+
+def remove_temp_files(run_dir: str) -> list[str]:
+    """Remove the temp files a killed `save_checkpoint` left (its own names only)."""
+    folder = checkpoint_dir(run_dir)
+    if not os.path.isdir(folder):
+        return []
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if _TEMP_FILE.match(name) and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
+            removed.append(path)
+    return removed
+
+
+def looks_whole(path: str) -> bool:
+    """A cheap check that a checkpoint file is a complete torch zip (its directory reads)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def prune_checkpoints(run_dir: str, keep_last: int, newest: str | None = None) -> list[str]:
+    """Remove older step checkpoints, keeping `newest` and the whole ones just before it.
+
+    `newest` (the one just written; default the highest step) always stays; of the older
+    ones the ``keep_last - 1`` newest that `looks_whole` stay, broken ones never counting.
+    Checkpoints with a higher step than `newest` are not this timeline's: they are left alone
+    (`set_aside_newer` renames them on resume). ``best.pt`` stays.
+    """
+    paths = list_checkpoints(run_dir)
+    if not paths:
+        return []
+    newest = newest or paths[0]
+    older = [p for p in paths if _step_of(p) < _step_of(newest)]
+    kept = [p for p in older if looks_whole(p)][: max(0, keep_last - 1)]
+    removed = [p for p in older if p not in kept]
     for path in removed:
         os.remove(path)
     return removed
+
+
+def _step_of(path: str) -> int:
+    match = _STEP_FILE.match(os.path.basename(path))
+    assert match is not None, path
+    return int(match.group(1))
 
 
 def strip_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:

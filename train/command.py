@@ -48,6 +48,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "keep_last": ("run", "keep_last"),
     "checkpoint_every": ("run", "checkpoint_every_steps"),
     "log_every": ("run", "log_every_steps"),
+    "dist_timeout": ("run", "dist_timeout_s"),
     "wandb": ("run", "wandb"),
 }
 
@@ -84,6 +85,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-last", type=int, help="step checkpoints kept (2), plus best.pt")
     p.add_argument("--checkpoint-every", type=int, help="also checkpoint every N steps")
     p.add_argument("--log-every", type=int, help="log the step loss every N steps (20)")
+    p.add_argument("--dist-timeout", type=float, help="seconds a rank waits for the others (600)")
     p.set_defaults(handler=run_train)
 
 
@@ -98,26 +100,87 @@ def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def run_train(args: argparse.Namespace, console: Console) -> int:
-    from dlpipe.train.config import load_config
+    """``dlpipe train``: 0 when the run ends or stops with a checkpoint, 2 for bad input, 1
+    when training failed, 128 + the signal's number when a stop signal came before any
+    checkpoint could be written."""
+    from dlpipe.train.signals import Interrupted, startup_guard
 
-    config = load_config(args.config, overrides(args))
-    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
-        config.resolved().validate()
-        return _launch(args.nproc_per_node, args.argv)
+    try:
+        with startup_guard():
+            from dlpipe.train.config import load_config
+
+            config = load_config(args.config, overrides(args))
+            if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+                return _preflight_and_launch(config, args)
+            return _train_here(config, console)
+    except Interrupted as stop:
+        return _interrupted(stop.name, stop.exit_code)
+    except KeyboardInterrupt:
+        return _interrupted("SIGINT", 130)
+
+
+def _interrupted(name: str, code: int) -> int:
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"error: stopped by {name} before the next checkpoint; run the same command again "
+            "to resume from the last one (or to start, if there is none)",
+            file=sys.stderr,
+        )
+    return code
+
+
+def _train_here(config: Any, console: Console) -> int:
+    from dlpipe.errors import DlpipeError
+    from dlpipe.train.distributed import DistributedError
     from dlpipe.train.step import TrainingError
     from dlpipe.train.trainer import Trainer
 
-    trainer = Trainer(config, console)
+    main_rank = os.environ.get("RANK", "0") == "0"
+    quiet = os.environ.get("DLPIPE_TRAIN_PREFLIGHT") == "1"  # the launcher warned already
     try:
-        summary = trainer.fit()
-    except TrainingError as exc:  # the run itself failed (bad input exits 2 in dlpipe.cli)
+        trainer = Trainer(config, console, warn=(lambda text: None) if quiet else None)
+        try:
+            summary = trainer.fit()
+        finally:
+            trainer.close()
+    except DistributedError as exc:  # each rank names itself and what it waited for
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        trainer.close()
+    except TrainingError as exc:  # the run itself failed (diverged, out of memory)
+        _error(exc, main_rank)
+        return 1
+    except DlpipeError as exc:
+        if "LOCAL_RANK" not in os.environ:
+            raise  # dlpipe.cli prints it, exit 2
+        _error(exc, main_rank)  # under torchrun: one line from rank 0, not one per rank
+        return 2
     if summary.stopped in ("completed", "early_stop") and summary.last_val:
         _print_summary(summary, trainer.console)
     return 0
+
+
+def _warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr)
+
+
+def _error(exc: BaseException, main_rank: bool) -> None:
+    if main_rank:
+        print(f"error: {exc}", file=sys.stderr)
+
+
+def _preflight_and_launch(config: Any, args: argparse.Namespace) -> int:
+    """Check everything once here (one ``error:`` line for bad input), then start torchrun."""
+    from dlpipe.train.preflight import preflight
+
+    if args.nproc_per_node < 1:
+        from dlpipe.train.config import ConfigError
+
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} must be a positive integer")
+    resolved = config.resolved()
+    preflight(
+        resolved, args.nproc_per_node, lambda text: print(f"warning: {text}", file=sys.stderr)
+    )
+    return _launch(args.nproc_per_node, args.argv)
 
 
 def _print_summary(summary: Any, console: Console) -> None:
@@ -138,32 +201,36 @@ def _print_summary(summary: Any, console: Console) -> None:
 def _launch(nproc: int, argv: list[str]) -> int:
     """Run this same command under torchrun with `nproc` processes; forward stop signals."""
     argv = _without_nproc(argv)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "dlpipe",
-        *argv,
-    ]
-    # torchrun runs in its own session, so a terminal's Ctrl-C reaches only this process, which
-    # passes each signal once to the ranks themselves: they finish the step, checkpoint and exit
-    # 0, and torchrun ends normally (signalled itself, it would tear the ranks down and fail)
-    child = subprocess.Popen(command, start_new_session=True)
+    torchrun = ["--standalone", f"--nproc-per-node={nproc}", "-m", "dlpipe", *argv]
+    # torchrun gets SIGTERM when this process dies (kill -9, the OOM killer) and each rank
+    # watches torchrun (`watch_parent`), so no rank trains on as an orphan
+    command = [sys.executable, "-c", _TORCHRUN_CHILD, str(os.getpid()), *torchrun]
+    # torchrun runs in its own session, so a terminal's Ctrl-C or hang-up reaches only this
+    # process, which passes each signal to the ranks themselves (SIGHUP as SIGTERM): they
+    # finish the step, checkpoint and exit 0, and torchrun ends normally (signalled itself, it
+    # would tear the ranks down and fail)
+    env = {**os.environ, "DLPIPE_TRAIN_PREFLIGHT": "1"}
+    child = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum: int, frame: Any) -> None:
+        sent = signal.SIGTERM if signum == signal.SIGHUP else signum
         for pid in _children(child.pid) or [child.pid]:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+                os.kill(pid, sent)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in stops}
     try:
         return child.wait()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+_TORCHRUN_CHILD = (
+    "import sys; from dlpipe.train.distributed import run_torchrun_child; "
+    "run_torchrun_child(int(sys.argv[1]), sys.argv[2:])"
+)
 
 
 def _children(pid: int) -> list[int]:

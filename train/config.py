@@ -6,14 +6,18 @@
 
 Defaults < the TOML file (``--config``) < command-line flags. The resolved configuration, with
 every default filled in (the learning rate and weight decay too), is written to the run folder
-as ``config.toml`` and printed at the start; ``dlpipe train --config RUN/config.toml`` repeats
-or resumes the run.
+as ``config.toml`` and printed at the start; ``dlpipe train --config RUN/config.toml`` resumes
+the run: the file records ``resume = "auto"`` and no ``max_steps`` (those two are how one
+invocation starts and stops, not part of the run), so the printed resume command continues
+from the newest checkpoint whatever the first invocation said.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +44,9 @@ __all__ = [
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
+MAX_IMAGE_SIZE = 4096  # a crop side past this is a typo, and would allocate gigabytes a batch
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+MODEL_NAME = re.compile(rf"^({_DOTTED}|{_DOTTED}:[A-Za-z_][A-Za-z0-9_]*)$")
 
 
 class ConfigError(DlpipeError, ValueError):
@@ -89,6 +96,7 @@ class RunConfig:
     checkpoint_every_steps: int = 0  # 0: at the end of each epoch (and on SIGTERM) only
     log_every_steps: int = 20
     max_nonfinite_steps: int = 20
+    dist_timeout_s: float = 600.0  # how long a rank waits for the others in any collective
     wandb: str | None = None
 
 
@@ -115,15 +123,42 @@ class TrainConfig:
             optim.weight_decay = 1e-4 if optim.optimizer == "sgd" else 0.05
         return TrainConfig(data=data, model=model, optim=optim, run=run)
 
+    def for_resume(self) -> TrainConfig:
+        """The copy written as ``config.toml``: ``resume = "auto"``, no ``max_steps``."""
+        run = dataclasses.replace(self.run, resume="auto", max_steps=None)
+        return dataclasses.replace(self, run=run)
+
     def parts(self) -> tuple[DataConfig, ModelConfig, OptimConfig, RunConfig]:
         return self.data, self.model, self.optim, self.run
 
     def validate(self) -> None:
         """Reject values no run can use, naming the option and the fix."""
-        d, _, o, r = self.parts()
+        d, m, o, r = self.parts()
         _require(bool(d.path), "no dataset given: pass DATA or set [data] path in --config")
+        _require(
+            bool(MODEL_NAME.match(m.name)),
+            f"--model {m.name!r} is not a torchvision model name (e.g. resnet18) nor "
+            "package.module:function (a factory taking num_classes=)",
+        )
         _choice("run.precision", r.precision, PRECISIONS)
         _choice("optim.optimizer", o.optimizer, OPTIMIZERS)
+        self._validate_counts()
+        self._validate_numbers()
+        _require(
+            d.image_size <= MAX_IMAGE_SIZE,
+            f"data.image_size = {d.image_size} is above {MAX_IMAGE_SIZE}: give the crop side in "
+            "pixels (224 for ImageNet models)",
+        )
+        _require(
+            0 <= r.seed < 2**32, f"run.seed = {r.seed} must be in 0..{2**32 - 1} (NumPy's range)"
+        )
+        _require(
+            r.resume in ("auto", "none") or os.path.isfile(r.resume),
+            f"--resume {r.resume}: no such checkpoint file; give auto, none or a .pt path",
+        )
+
+    def _validate_counts(self) -> None:
+        d, _, _, r = self.parts()
         for name, value in (
             ("data.image_size", d.image_size),
             ("run.epochs", r.epochs),
@@ -136,15 +171,39 @@ class TrainConfig:
             ("run.max_nonfinite_steps", r.max_nonfinite_steps),
         ):
             _require(value is None or value > 0, f"{name} = {value} must be a positive integer")
-        for name, number in (
+        for name, value in (
             ("data.num_workers", d.num_workers),
             ("run.checkpoint_every_steps", r.checkpoint_every_steps),
+        ):
+            _require(value is None or value >= 0, f"{name} = {value} must not be negative")
+
+    def _validate_numbers(self) -> None:
+        d, _, o, r = self.parts()
+        for name, number in (
             ("optim.lr", o.lr),
             ("optim.weight_decay", o.weight_decay),
             ("optim.warmup_epochs", o.warmup_epochs),
+            ("optim.momentum", o.momentum),
             ("optim.clip_grad", o.clip_grad),
+            ("optim.label_smoothing", o.label_smoothing),
+            ("data.min_crop_scale", d.min_crop_scale),
+            ("run.dist_timeout_s", r.dist_timeout_s),
+        ):
+            _require(
+                number is None or math.isfinite(number),
+                f"{name} = {number} must be a finite number",
+            )
+        for name, number in (
+            ("optim.lr", o.lr),
+            ("optim.weight_decay", o.weight_decay),
+            ("optim.warmup_epochs", o.warmup_epochs),
         ):
             _require(number is None or number >= 0, f"{name} = {number} must not be negative")
+        _require(
+            o.clip_grad is None or o.clip_grad > 0,
+            f"optim.clip_grad = {o.clip_grad} must be positive (leave it unset for no clipping)",
+        )
+        _require(0 <= o.momentum < 1, f"optim.momentum = {o.momentum} must be in [0, 1)")
         _require(
             0 < d.min_crop_scale <= 1,
             f"data.min_crop_scale = {d.min_crop_scale} must be in (0, 1]",
@@ -153,10 +212,7 @@ class TrainConfig:
             0 <= o.label_smoothing < 1,
             f"optim.label_smoothing = {o.label_smoothing} must be in [0, 1)",
         )
-        _require(
-            r.resume in ("auto", "none") or os.path.isfile(r.resume),
-            f"--resume {r.resume}: no such checkpoint file; give auto, none or a .pt path",
-        )
+        _require(r.dist_timeout_s > 0, f"run.dist_timeout_s = {r.dist_timeout_s} must be positive")
 
 
 @dataclass(frozen=True)
@@ -196,6 +252,13 @@ def load_config(path: str | None, overrides: dict[str, dict[str, Any]]) -> Train
                 _apply(config, tomllib.load(f), f"config file {path}")
         except FileNotFoundError:
             raise ConfigError(f"--config {path}: no such file") from None
+        except IsADirectoryError:
+            raise ConfigError(f"--config {path} is a folder; give the TOML file") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                f"offset {exc.start}); TOML files are UTF-8: save it as UTF-8"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     _apply(config, overrides, "the command line")

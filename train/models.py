@@ -51,11 +51,16 @@ def _torchvision(name: str, num_classes: int) -> nn.Module:
 
 def _user_model(name: str, num_classes: int) -> nn.Module:
     module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ModelError(
+            f"--model {name}: give a factory as package.module:function (both parts), "
+            "e.g. mypkg.models:small_cnn"
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:
         raise ModelError(
             f"--model {name}: cannot import {module_name} ({exc}); install the package or run "
             "from the folder that holds it"
@@ -63,7 +68,14 @@ def _user_model(name: str, num_classes: int) -> nn.Module:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelError(f"--model {name}: {module_name} has no function {attr!r}")
-    model: nn.Module = factory(num_classes=num_classes)
+    try:
+        model: nn.Module = factory(num_classes=num_classes)
+    except (Exception, SystemExit) as exc:  # the user's code: name it, its error and the call
+        raise ModelError(
+            f"--model {name}: {module_name}.{attr}(num_classes={num_classes}) raised "
+            f"{type(exc).__name__}: {str(exc)[:300]}; a factory takes num_classes= and "
+            "returns a torch nn.Module"
+        ) from None
     return model
 
 

@@ -145,7 +145,7 @@ class StepRunner:
             dtype=torch.float64,
             device=self.device,
         )
-        self.dist.all_reduce_(agreed)
+        self.dist.all_reduce_(agreed, what="agreeing on the step's loss, samples and stop flag")
         total, samples, any_oom, any_stop = agreed.tolist()
         if any_oom:
             return None
@@ -155,7 +155,7 @@ class StepRunner:
             return StepResult(math.nan, int(samples), None, True, any_stop > 0)
         assert last_loss is not None
         try:
-            self._backward(last_loss / count)
+            self.dist.guarded("the gradient all-reduce", lambda: self._backward(last_loss / count))
         except torch.OutOfMemoryError:
             if self.dist.enabled:  # the other ranks wait in this backward's all-reduce
                 raise TrainingError(

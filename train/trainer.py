@@ -12,10 +12,12 @@ stop early, stop on a signal) follows from values all ranks share, so all take i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
-import signal
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, cast
@@ -24,41 +26,68 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from rich.markup import escape
 from torch import nn
 
 from dlpipe import storage
-from dlpipe.errors import SplitTooSmallError
-from dlpipe.loader import make_loader
-from dlpipe.manifest import read_manifest
+from dlpipe.errors import DlpipeError, SplitTooSmallError
+from dlpipe.loader import LoaderStateError, make_loader
 from dlpipe.train import checkpoint as ckpt
+from dlpipe.train import preflight
 from dlpipe.train.config import TrainConfig, plan_batches, to_toml
-from dlpipe.train.distributed import init_distributed
+from dlpipe.train.distributed import init_distributed, watch_parent
 from dlpipe.train.metrics import EvalCounts, EvalResult
 from dlpipe.train.models import build_model, unwrap
 from dlpipe.train.optim import build_optimizer, build_scheduler
 from dlpipe.train.progress import EpochStats, RunSummary, epoch_line, input_verdict
 from dlpipe.train.reporting import RunLogger
+from dlpipe.train.signals import StopSignals
 from dlpipe.train.step import StepResult, StepRunner, TrainingError, resolve_precision
 
 __all__ = ["RunSummary", "Trainer"]
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, console: Console, *, show_config: bool = True) -> None:
+    """One training run; `close` it (it holds loader workers, the run-folder lock, the logs).
+
+    Args:
+        config: the run's configuration (resolved and validated here).
+        console: where rank 0 prints progress.
+        show_config: print the resolved configuration first.
+        warn: prints a ``warning:`` line (default: to stderr; rank 0 only).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        console: Console,
+        *,
+        show_config: bool = True,
+        warn: Any = None,
+    ) -> None:
+        self._resources = contextlib.ExitStack()
+        self.train_loader: Any = None
+        self.val_loader: Any = None
+        self.logger: RunLogger | None = None
+        try:
+            self._build(config, console, show_config, warn)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: TrainConfig, console: Console, show_config: bool, warn: Any) -> None:
         self.show_config = show_config
         self.config = config.resolved()
         self.config.validate()
-        self.dist = init_distributed()
+        self.dist = init_distributed(self.config.run.dist_timeout_s)
+        watch_parent()
         self.console = console if self.dist.is_main else Console(quiet=True)
+        self.warn = warn or (lambda text: print(f"warning: {text}", file=sys.stderr))
         d, m, o, r = self.config.parts()
         self.run_dir = r.out
-        self.manifest = read_manifest(d.path)
+        self.manifest = preflight.check_dataset(self.config)
         self.classes = list(self.manifest.classes)
-        if len(self.classes) < 2:
-            raise TrainingError(
-                f"{d.path} lists {len(self.classes)} classes; training a classifier needs at "
-                "least 2 (convert with labels: ImageFolder sub-folders or a label column)"
-            )
+        self._on_main("taking the run folder", self._take_run_folder)
         self.plan = plan_batches(r.batch_size, self.dist.world_size, r.micro_batch)
         self.precision = resolve_precision(r.precision, self.dist.device)
         random.seed(r.seed)
@@ -104,7 +133,7 @@ class Trainer:
         self.bad_steps = 0
         self.skipped_steps = 0
         self.history: list[dict[str, Any]] = []
-        self.signal_name: str | None = None
+        self.signals = StopSignals(self._stop_requested)
         self.phase = "step 1"  # what runs now, for messages
         self.logger = RunLogger(
             self.run_dir,
@@ -132,17 +161,34 @@ class Trainer:
         )
 
     def _val_loader(self) -> Any:
-        split = self.config.data.val_split
-        if not split:
-            return None
-        if split not in self.manifest.splits:
-            if split != "val" or self.config.run.early_stop_patience:
-                raise TrainingError(
-                    f"{self.config.data.path} has no split {split!r} (splits: "
-                    f"{', '.join(self.manifest.splits)}); set --val-split to one of them"
-                )
-            return None  # the default val split is optional
-        return self._loader(split, "eval")
+        warn = self.warn if self.dist.is_main else (lambda text: None)
+        split = preflight.val_split(self.config, self.manifest, warn)
+        return None if split is None else self._loader(split, "eval")
+
+    def _on_main(self, what: str, work: Any) -> Any:
+        """Run `work()` on rank 0 only; every rank returns its result or raises its error."""
+        result, error = None, None
+        if self.dist.is_main:
+            try:
+                result = work()
+            except (DlpipeError, OSError) as exc:
+                error = exc
+        outcome = self.dist.broadcast(
+            (result, None if error is None else (type(error), str(error))), what=what
+        )
+        if error is not None:
+            raise error
+        result, failure = outcome
+        if failure is not None:
+            raise failure[0](failure[1])
+        return result
+
+    def _take_run_folder(self) -> None:
+        """Rank 0: refuse a second run in the folder, hold its lock, drop killed writes' temps."""
+        preflight.check_run_folder(self.config)
+        self._resources.enter_context(storage.output_lock(self.run_dir))
+        for path in ckpt.remove_temp_files(self.run_dir):
+            self.console.print(f"removed {escape(path)}: a checkpoint write that was killed")
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         wrapped = self.dist.wrap(model)
@@ -158,9 +204,11 @@ class Trainer:
         self._resume()
         r = self.config.run
         if self.epoch >= r.epochs:
-            self.console.print(f"the run in {self.run_dir} is already complete ({r.epochs} epochs)")
+            self.console.print(
+                f"the run in {escape(self.run_dir)} is already complete ({r.epochs} epochs)"
+            )
             return self._summary("resumed_complete", None)
-        previous = self._install_signal_handlers()
+        self.signals.install()
         path = None
         try:
             while self.epoch < r.epochs:
@@ -179,8 +227,7 @@ class Trainer:
                     return self._summary("early_stop", path)
             return self._summary("completed", path)
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            self.signals.restore()
 
     def _train_epoch(self) -> str | None:
         """Steps until the epoch's data ends; returns why it stopped early, if it did."""
@@ -214,7 +261,7 @@ class Trainer:
         self.skipped_steps += result.skipped
         self.bad_steps = 0 if finite and not result.skipped else self.bad_steps + 1
         if self.step % r.log_every_steps == 0 or self.step == 1:
-            self.logger.step(
+            self._log().step(
                 self.step,
                 {
                     "loss": result.loss,
@@ -255,7 +302,7 @@ class Trainer:
                     self.runner.back_off(len(labels))
             for logits, y, loss in outputs:
                 counts.update(logits, y, loss)
-        self.dist.all_reduce_(*counts.tensors())
+        self.dist.all_reduce_(*counts.tensors(), what="summing the evaluation counts")
         model.train()
         return counts.result()
 
@@ -278,7 +325,7 @@ class Trainer:
             "steps": s.steps,
             "epoch_s": s.busy_s,
         }
-        self.logger.epoch(self.epoch, self.step, values, result)
+        self._log().epoch(self.epoch, self.step, values, result)
         record = {"epoch": self.epoch + 1, **values}
         if result is not None:
             record.update(val_loss=result.loss, top1=result.top1, top5=result.top5)
@@ -307,7 +354,7 @@ class Trainer:
         cuda = self.dist.device.type == "cuda"
         advice = input_verdict(wait, d.path, self.plan.micro_batch, d.image_size, cuda)
         if advice:
-            self.console.print(f"  {advice}")
+            self.console.print(f"  {escape(advice)}")
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -334,7 +381,9 @@ class Trainer:
             "config": self.config.to_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], rank_state: dict[str, Any], path: str = "the checkpoint"
+    ) -> None:
         unwrap(self.model).load_state_dict(ckpt.strip_prefixes(state["model"]))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -345,67 +394,93 @@ class Trainer:
         self.stale_epochs, self.bad_steps = t["stale_epochs"], t["bad_steps"]
         self.skipped_steps, self.history = t["skipped_steps"], list(t["history"])
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self.train_loader.load_state_dict(rank_state["loader"])
+        try:
+            self.train_loader.load_state_dict(rank_state["loader"])
+        except LoaderStateError as exc:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path}: {exc.saved_workers} loader workers wrote its data position, "
+                f"this run has {exc.workers}; it resumes exactly only with the same count: add "
+                f"--num-workers {exc.saved_workers} (then bench-loader's choice applies to the "
+                "next run folder)"
+            ) from None
         ckpt.set_rng_state(rank_state["rng"])
 
     def _save(self, reason: str, *, best: bool = False) -> str:
-        """Collective: gather every rank's loader and RNG state; rank 0 writes."""
-        mine = {"loader": self.train_loader.state_dict(), "rng": ckpt.rng_state()}
-        ranks = self.dist.all_gather(mine)
-        path = ckpt.step_path(self.run_dir, self.step)
-        if self.dist.is_main:
-            state = {**self.state_dict(), "ranks": ranks, "reason": reason}
-            path = ckpt.save_checkpoint(self.run_dir, state, best=best)
-            ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_last)
-            self.logger.event("checkpoint", step=self.step, path=path, reason=reason)
-        self.dist.barrier()
+        """Collective: gather every rank's loader and RNG state; rank 0 writes. A stop signal
+        meanwhile only asks to stop: the checkpoint is always finished."""
+        with self.signals.protect():
+            self.phase = f"the checkpoint of step {self.step}"
+            mine = {"loader": self.train_loader.state_dict(), "rng": ckpt.rng_state()}
+            ranks = self.dist.all_gather(mine, what=f"gathering {self.phase}")
+            path = ckpt.step_path(self.run_dir, self.step)
+            if self.dist.is_main:
+                state = {**self.state_dict(), "ranks": ranks, "reason": reason}
+                path = ckpt.save_checkpoint(self.run_dir, state, best=best)
+                ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_last, newest=path)
+                self._log().event("checkpoint", step=self.step, path=path, reason=reason)
+            self.dist.barrier(what=f"waiting for rank 0 to write {self.phase}")
         return path
+
+    def _log(self) -> RunLogger:
+        assert self.logger is not None
+        return self.logger
 
     def _resume(self) -> None:
         """Load the checkpoint --resume names (auto: the newest that loads); collective."""
-        choice = self.config.run.resume
-        found, state = None, None
-        if self.dist.is_main and choice != "none":
-            if choice == "auto":
-                newest = ckpt.newest_checkpoint(self.run_dir)
-                if newest is not None:
-                    for problem in newest[2]:
-                        self.console.print(f"[yellow]skipped[/yellow] {problem}")
-                    found, state = newest[0], newest[1]  # already loaded: not read twice
-            else:
-                found = choice
-        path = self.dist.broadcast(found)
+        self._chosen: dict[str, Any] | None = None
+        path = self._on_main("choosing the checkpoint to resume from", self._choose_checkpoint)
         if path is None:
             return
-        if state is None:
-            state = ckpt.load_checkpoint(path)
+        state = self._chosen if self._chosen is not None else ckpt.load_checkpoint(path)
+        self._chosen = None  # not kept: it holds a copy of every weight
         ckpt.check_resumable(state, path, self.dist.world_size, self.classes)
-        self.load_state_dict(state, state["ranks"][self.dist.rank])
-        self.console.print(f"resumed from {path} (step {self.step}, epoch {self.epoch + 1})")
-        self.logger.event("resume", step=self.step, epoch=self.epoch, path=path)
+        preflight.check_checkpoint(state, path, unwrap(self.model), self.optimizer, self.config)
+        self.load_state_dict(state, state["ranks"][self.dist.rank], path)
+        if self.dist.is_main:
+            suffix = ".broken" if self.config.run.resume == "auto" else ".superseded"
+            for moved in ckpt.set_aside_newer(self.run_dir, self.step, suffix):
+                self.console.print(
+                    f"set aside {escape(moved)}: newer than the checkpoint resumed from, so not "
+                    "part of this run any more (nothing was deleted)"
+                )
+        self.console.print(
+            f"resumed from {escape(path)} (step {self.step}, epoch {self.epoch + 1})"
+        )
+        self._log().event("resume", step=self.step, epoch=self.epoch, path=path)
+
+    def _choose_checkpoint(self) -> str | None:
+        """Rank 0: the checkpoint to resume from, loaded into ``_chosen`` (read once)."""
+        choice = self.config.run.resume
+        if choice == "none":
+            return None
+        if choice != "auto":
+            self._chosen = ckpt.load_checkpoint(choice)
+            return choice
+        newest = ckpt.newest_checkpoint(self.run_dir)  # every one broken: CheckpointError
+        if newest is None:
+            return None
+        for problem in newest[2]:
+            self.console.print(f"[yellow]skipped[/yellow] {escape(problem)}")
+        self._chosen = newest[1]
+        return newest[0]
 
     # ---- signals, messages ---------------------------------------------------------------
 
-    def _install_signal_handlers(self) -> dict[signal.Signals, Any]:
-        def request_stop(signum: int, frame: Any) -> None:
-            if self.runner.stop_requested and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now
-            self.signal_name = signal.Signals(signum).name
-            self.runner.stop_requested = True
-
-        return {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    def _stop_requested(self, name: str) -> None:
+        self.runner.stop_requested = True
 
     def _explain_stop(self, why: str, path: str) -> None:
-        resume = f"dlpipe train --config {os.path.join(self.run_dir, 'config.toml')}"
+        config = shlex.quote(os.path.join(self.run_dir, "config.toml"))
+        resume = f"dlpipe train --config {config}"
         if self.dist.enabled:
             resume += f" --nproc-per-node {self.dist.world_size}"
         what = {
-            "signal": f"stopped on {self.signal_name or 'a signal'}",
+            "signal": f"stopped on {self.signals.name or 'a signal'}",
             "max_steps": f"reached --max-steps {self.config.run.max_steps}",
         }[why]
-        self.console.print(f"{what} at step {self.step}; checkpoint {path}")
-        self.console.print(f"resume with: {resume}")
-        self.logger.event("stop", reason=why, step=self.step, path=path)
+        self.console.print(f"{what} at step {self.step}; checkpoint {escape(path)}")
+        self.console.print(f"resume with: {escape(resume)}")
+        self._log().event("stop", reason=why, step=self.step, path=path)
 
     def _backed_off(self, micro_batch: int) -> None:
         accumulation = self.plan.accumulation * self.runner.splits
@@ -414,16 +489,17 @@ class Trainer:
             f"{micro_batch}, accumulation {accumulation} (global batch {self.plan.batch_size} "
             "unchanged); retrying the step"
         )
-        self.logger.event(
+        self._log().event(
             "oom_backoff", step=self.step + 1, micro_batch=micro_batch, accumulation=accumulation
         )
 
     def _announce(self) -> None:
         p, d = self.plan, self.config.data
         text = to_toml(self.config)
-        if self.dist.is_main:
+        if self.dist.is_main:  # what the printed resume command reads: resume auto, no max_steps
             os.makedirs(self.run_dir, exist_ok=True)
-            storage.atomic_write_bytes(os.path.join(self.run_dir, "config.toml"), text.encode())
+            resume = to_toml(self.config.for_resume()).encode()
+            storage.atomic_write_bytes(os.path.join(self.run_dir, "config.toml"), resume)
         params = sum(t.numel() for t in self.model.parameters())
         if self.show_config:
             self.console.print(text.rstrip(), markup=False)
@@ -433,10 +509,10 @@ class Trainer:
             f"{p.accumulation} accumulation steps; {self.steps_per_epoch} steps per epoch"
         )
         self.console.print(
-            f"model {self.config.model.name} ({params:,} parameters, "
+            f"model {escape(self.config.model.name)} ({params:,} parameters, "
             f"{len(self.classes)} classes) on {self.dist.device}, precision "
-            f"{self.precision.name}; data {d.path} ({self.manifest.format}); run folder "
-            f"{self.run_dir}"
+            f"{self.precision.name}; data {escape(d.path)} ({self.manifest.format}); run folder "
+            f"{escape(self.run_dir)}"
         )
 
     def _summary(self, stopped: str, path: str | None) -> RunSummary:
@@ -453,8 +529,19 @@ class Trainer:
         )
 
     def close(self) -> None:
-        self.logger.close()
-        self.dist.close()
+        """End the loader workers, close the logs, release the run folder and the process
+        group; safe after a failed start and more than once."""
+        for loader in (self.train_loader, self.val_loader):
+            close = getattr(loader, "close", None)
+            if close is not None:
+                close()
+        self.train_loader = self.val_loader = None
+        if self.logger is not None:
+            self.logger.close()
+        self._resources.close()
+        dist = getattr(self, "dist", None)
+        if dist is not None:
+            dist.close()
 
 
 def _take(batches: Iterator[Any], count: int) -> list[Any]:
