@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dlpipe import storage
+from dlpipe.cli import Interrupted, int_in_range, non_negative_int, positive_int
 from dlpipe.converters.engine import (
     ERRORS_NAME,
     ConvertConfig,
@@ -23,7 +26,7 @@ from dlpipe.converters.worker import TaskResult
 from dlpipe.formats import FORMATS
 from dlpipe.inspection import format_bytes
 
-__all__ = ["add_convert_parser", "parse_size", "run_convert"]
+__all__ = ["add_convert_parser", "parse_size", "resume_command", "run_convert"]
 
 _UNITS = {
     "": 1,
@@ -82,18 +85,29 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         default=os.cpu_count() or 1,
         help="worker processes (default: all cores)",
     )
-    p.add_argument("--max-side", type=int, help="re-encode images whose longer side exceeds N")
-    p.add_argument("--quality", type=int, default=95, help="JPEG/WebP quality when re-encoding")
+    p.add_argument(
+        "--max-side",
+        type=int_in_range(8),
+        help="re-encode images whose longer side exceeds N (at least 8)",
+    )
+    p.add_argument(
+        "--quality",
+        type=int_in_range(1, 100),
+        default=95,
+        help="JPEG/WebP quality when re-encoding (1..100)",
+    )
     p.add_argument(
         "--val-fraction",
         type=_fraction,
         help="move this fraction of each class to a val split (when there is none)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seeds the shuffle and the val split")
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seeds the shuffle and the val split"
+    )
     p.add_argument(
         "--on-error",
         choices=["skip", "fail"],
@@ -128,12 +142,48 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
         ray_address=args.ray_address,
     )
     out = config.output()
-    console.print(f"dlpipe convert {config.raw} → {out} ({config.to}, engine {config.engine})")
+    console.print(
+        f"dlpipe convert {escape(config.raw)} → {escape(out)} ({config.to}, engine {config.engine})"
+    )
     if storage.on_system_disk(out):
         console.print(
-            f"[yellow]warning[/yellow]: {out} is on the system disk (the one holding /); "
+            f"[yellow]warning[/yellow]: {escape(out)} is on the system disk (the one holding /); "
             "put datasets on a data disk with --out or DLPIPE_DATA_DIR"
         )
+    try:
+        result = _convert_with_progress(config, console)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; finish with: {resume_command(config)}") from None
+    _summary(result, console)
+    return 0
+
+
+def resume_command(config: ConvertConfig) -> str:
+    """The ``dlpipe convert ... --resume`` line that finishes `config`'s conversion.
+
+    It repeats every option that shapes the output (a resume with other options is refused).
+    """
+    words = ["dlpipe", "convert", config.raw, "--to", config.to, "--out", config.output()]
+    given = [
+        ("--source", config.source, "auto"),
+        ("--image-col", config.image_col, None),
+        ("--label-col", config.label_col, None),
+        ("--shard-size", config.shard_bytes, None),
+        ("--max-side", config.max_side, None),
+        ("--quality", config.quality, 95),
+        ("--val-fraction", config.val_fraction, None),
+        ("--seed", config.seed, 0),
+        ("--on-error", config.on_error, "skip"),
+        ("--engine", config.engine, "local"),
+        ("--ray-address", config.ray_address, None),
+    ]
+    for flag, value, default in given:
+        if value != default:
+            words += [flag, str(value)]
+    return shlex.join([*words, "--resume"])
+
+
+def _convert_with_progress(config: ConvertConfig, console: Console) -> ConvertResult:
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -158,15 +208,15 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
                 bar, completed=done, mb=mb, mb_per_s=mb / elapsed, samples_per_s=done / elapsed
             )
 
-        result = convert(config, on_start=start, on_progress=advance)
-    _summary(result, console)
-    return 0
+        return convert(config, on_start=start, on_progress=advance)
 
 
 def _summary(result: ConvertResult, console: Console) -> None:
-    table = Table("split", "samples", "shards", "size", title=f"wrote {result.out}")
+    table = Table("split", "samples", "shards", "size", title=f"wrote {escape(result.out)}")
     for name, split in result.manifest.splits.items():
-        table.add_row(name, str(split.samples), str(len(split.shards)), format_bytes(split.bytes))
+        table.add_row(
+            escape(name), str(split.samples), str(len(split.shards)), format_bytes(split.bytes)
+        )
     console.print(table)
     written = sum(s.samples for s in result.manifest.splits.values())
     rate = written / result.seconds if result.seconds else 0.0
@@ -179,7 +229,8 @@ def _summary(result: ConvertResult, console: Console) -> None:
     if result.skipped:
         console.print(
             f"[yellow]skipped {len(result.skipped)} samples[/yellow] (listed in "
-            f"{os.path.join(result.out, ERRORS_NAME)}), e.g. {result.skipped[0]['error']}"
+            f"{escape(os.path.join(result.out, ERRORS_NAME))}), "
+            f"e.g. {escape(str(result.skipped[0]['error']))}"
         )
     else:
         console.print("skipped 0 samples")

@@ -1,24 +1,94 @@
 """The ``dlpipe`` command: subcommands, each a small handler; ``main(argv) -> int``.
 
-Bad input exits 2 with one ``error:`` line that says what is wrong and how to fix it; a check
-that finds problems (``verify``) exits 1.
+Bad input exits 2 with one ``error:`` line that says what is wrong and how to fix it (a bad
+flag value too: the parser prints one line, not a usage block); a check that finds problems
+(``verify``) exits 1; Ctrl-C exits 130 with one ``interrupted`` line. Warnings logged on the
+``dlpipe`` logger while a command runs are printed as ``warning:`` lines on stderr. Text that
+came from a user or a dataset (paths, class, split and field names, error messages) is printed
+escaped, never read as rich markup.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 
 from dlpipe._version import __version__
 from dlpipe.errors import DlpipeError
 
-__all__ = ["main"]
+__all__ = [
+    "ArgumentParser",
+    "Interrupted",
+    "int_in_range",
+    "main",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+]
 
 Handler = Callable[[argparse.Namespace, Console], int]
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C a handler caught to say how to finish the work (``args[0]`` is the line)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a bad command line reported as one ``error:`` line (exit 2).
+
+    The line names the flag, the value and the rule, and points at ``--help``, instead of
+    argparse's usage block; every subcommand's parser is one of these.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}; see {self.prog} --help", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    return int_in_range(1)(text)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    return int_in_range(0)(text)
+
+
+def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type for an integer in ``low..high`` (no upper bound when `high` is None)."""
+    rule = f"an integer of at least {low}" if high is None else f"an integer in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is not {rule}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a number above 0")
+    return value
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
@@ -62,19 +132,20 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 
     report = verify_dataset(args.data, decode=args.decode)
     for problem in report.problems:
-        console.print(f"[red]problem[/red] {problem}", highlight=False)
+        console.print(f"[red]problem[/red] {escape(str(problem))}")
     what = f"{report.shards_checked} shards" + (
         f", {report.samples_decoded} samples decoded" if args.decode else ""
     )
+    data = escape(args.data)
     if report.ok:
-        console.print(f"ok: {args.data}: {what}, every sha256 matches the manifest")
+        console.print(f"ok: {data}: {what}, every sha256 matches the manifest")
         return 0
-    console.print(f"[red]FAILED[/red]: {args.data}: {len(report.problems)} problems in {what}")
+    console.print(f"[red]FAILED[/red]: {data}: {len(report.problems)} problems in {what}")
     return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="dlpipe", description="Raw training data to verified shards to a training GPU."
     )
     parser.add_argument("--version", action="version", version=f"dlpipe {__version__}")
@@ -86,13 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--per-class",
-        type=_positive_int,
+        type=positive_int,
         default=400,
         help="images per class (8 classes; default 400)",
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
-        "--epochs", type=int, default=12, help="training epochs (12; 0 converts and verifies only)"
+        "--epochs",
+        type=non_negative_int,
+        default=12,
+        help="training epochs (12; 0 converts and verifies only)",
     )
     demo.add_argument("--model", default="resnet18", help="torchvision model to train")
     demo.set_defaults(handler=_demo)
@@ -128,21 +202,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
+class _WarningLines(logging.Handler):
+    """``dlpipe`` logger warnings as ``warning: <message>`` lines on the current stderr."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:  # a malformed log call must not end the command
+            text = str(record.msg)
+        level = "warning" if record.levelno < logging.ERROR else "error"
+        print(f"{level}: {text}", file=sys.stderr)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv  # a handler that re-launches itself (train --nproc-per-node) repeats it
-    console = Console(highlight=False, soft_wrap=True)
-    handler: Handler = args.handler
+@contextlib.contextmanager
+def _warnings_printed() -> Iterator[None]:
+    logger, handler = logging.getLogger("dlpipe"), _WarningLines()
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def _run(handler: Handler, args: argparse.Namespace, console: Console) -> int:
     try:
         return handler(args, console)
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, not a traceback
+        line = exc.args[0] if isinstance(exc, Interrupted) and exc.args else "interrupted"
+        print(line, file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (DlpipeError, KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: {message}", file=sys.stderr)
@@ -150,6 +241,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # disk full, permissions, a vanished file: the OS names it
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``dlpipe`` command; returns its exit code.
+
+    Raises:
+        SystemExit: for ``--help``/``--version`` (0) and a bad command line (2, after one
+            ``error:`` line), as argparse does.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while torch and friends import
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    args.argv = argv  # a handler that re-launches itself (train --nproc-per-node) repeats it
+    console = Console(highlight=False, soft_wrap=True)
+    with _warnings_printed():
+        return _run(args.handler, args, console)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rich.markup import escape
+
 from dlpipe import storage
 
 __all__ = ["Check", "GpuInfo", "Probe", "print_checks", "run_checks", "to_json"]
@@ -344,11 +346,13 @@ _STYLE = {"ok": "green", "info": "cyan", "warning": "yellow", "problem": "red"}
 
 def print_checks(checks: list[Check], console: Any) -> None:
     """One line per check (status, name, what was found), the fix indented under it."""
-    for check in checks:
+    for check in checks:  # details hold paths and GPU names: printed escaped, not as markup
         style = _STYLE[check.status]
-        console.print(f"[{style}]{check.status:<8}[/{style}] {check.name}: {check.detail}")
+        console.print(
+            f"[{style}]{check.status:<8}[/{style}] {escape(check.name)}: {escape(check.detail)}"
+        )
         if check.fix:
-            console.print(f"         fix: {check.fix}")
+            console.print(f"         fix: {escape(check.fix)}")
     problems = sum(c.status == "problem" for c in checks)
     warnings = sum(c.status == "warning" for c in checks)
     console.print(f"{problems} problems, {warnings} warnings")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dlpipe.manifest import read_manifest
@@ -49,23 +50,45 @@ def describe_dataset(path: str) -> dict[str, Any]:
 
 
 def print_description(info: dict[str, Any], console: Console) -> None:
+    """`describe_dataset`'s result as a header line and tables (dataset text printed escaped)."""
     console.print(
-        f"[bold]{info['path']}[/bold]: {info['format']} v{info['format_version']}, "
-        f"{info['samples']} samples, {format_bytes(info['bytes'])} "
-        f"(written by dlpipe {info['dlpipe_version']})"
+        f"[bold]{_text(info['path'])}[/bold]: {_text(info['format'])} "
+        f"v{_text(info['format_version'])}, {info['samples']} samples, "
+        f"{format_bytes(info['bytes'])} (written by dlpipe {_text(info['dlpipe_version'])})"
     )
-    console.print("fields: " + ", ".join(f"{k} ({v})" for k, v in info["fields"].items()))
+    fields = ", ".join(f"{_text(k)} ({_text(v)})" for k, v in info["fields"].items())
+    console.print(f"fields: {fields}")
     splits = Table("split", "samples", "shards", "size", "avg/sample", title="splits")
     for name, s in info["splits"].items():
         avg = s["bytes"] / s["samples"] if s["samples"] else 0
         splits.add_row(
-            name, str(s["samples"]), str(s["shards"]), format_bytes(s["bytes"]), format_bytes(avg)
+            _text(name),
+            str(s["samples"]),
+            str(s["shards"]),
+            format_bytes(s["bytes"]),
+            format_bytes(avg),
         )
     console.print(splits)
     if info["classes"]:
-        names = list(info["splits"])
-        classes = Table("label", "class", *names, title=f"{len(info['classes'])} classes")
-        for label, cls in enumerate(info["classes"]):
-            counts = [info["splits"][n]["class_counts"] for n in names]
-            classes.add_row(str(label), cls, *(str(c[label]) if c else "-" for c in counts))
-        console.print(classes)
+        console.print(_classes_table(info))
+
+
+def _classes_table(info: dict[str, Any]) -> Table:
+    names = list(info["splits"])
+    table = Table("label", "class", *map(_text, names), title=f"{len(info['classes'])} classes")
+    counts = [info["splits"][n]["class_counts"] for n in names]
+    for label, cls in enumerate(info["classes"]):
+        table.add_row(str(label), _text(cls), *(_count(c, label) for c in counts))
+    return table
+
+
+def _count(counts: Any, label: int) -> str:
+    """One class's count, or "-" where the manifest has none (or too few: never IndexError)."""
+    if isinstance(counts, (list, tuple)) and label < len(counts):
+        return str(counts[label])
+    return "-"
+
+
+def _text(value: Any) -> str:
+    """Dataset text (paths, names) as literal text, never rich markup."""
+    return escape(str(value))
