@@ -4,7 +4,10 @@ Every image is decoded once: that is the integrity check (truncated, zero-byte a
 files fail here). A JPEG that is kept as it is is decoded in Pillow's reduced-scale draft
 mode, which still reads and entropy-decodes all of its compressed data, at a fraction of the
 cost of a full decode. An image is re-encoded only when asked (``--max-side``), or when its
-type differs from the dataset's image field (a PNG in a JPEG dataset).
+type differs from the dataset's image field (a PNG in a JPEG dataset). Before any of that, the
+header's width x height is held to the pixel limit (`dlpipe.codecs.check_image_pixels`): a
+decompression bomb is one skipped sample naming its size, not a conversion out of memory.
+Reasons are stable text (no memory addresses), so ``errors.jsonl`` is the same run to run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from dlpipe.codecs import ImageTooLargeError, max_image_pixels, open_image, stable_message
 from dlpipe.converters.source import SampleError
 
 __all__ = ["ImagePolicy", "prepare_image"]
@@ -49,10 +53,11 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> tuple[bytes,
     """
     if not data:
         raise SampleError(f"{origin}: empty file (0 bytes), not an image")
+    limit = max_image_pixels()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image = open_image(data, limit)  # the pixel limit first, from the header
             kind = _KINDS.get(image.format or "", "other")
             too_big = policy.max_side is not None and max(image.size) > policy.max_side
             if kind == policy.field and not too_big:
@@ -61,8 +66,10 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> tuple[bytes,
                 image.load()
                 return data, False
             image.load()
+    except ImageTooLargeError as exc:
+        raise SampleError(f"{origin}: {exc}") from None
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
-        raise SampleError(f"{origin}: not a readable image ({exc})") from exc
+        raise SampleError(f"{origin}: not a readable image ({stable_message(exc)})") from exc
     return _encode(_resized(image, policy.max_side), policy), True
 
 

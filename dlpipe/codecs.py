@@ -10,26 +10,60 @@
 | anything else | ``bytes`` | the bytes unchanged |
 
 Nothing here unpickles: a pickled value in any field is either refused or returned as bytes.
+
+**One pixel limit on every decode path.** An image's width x height is read from its header
+(PNG IHDR, JPEG SOF, WebP VP8/VP8L/VP8X; Pillow's lazy open for any other kind) before any
+decoder allocates for it, and an image over `max_image_pixels()` is refused with
+`ImageTooLargeError`: a 20000 x 20000 PNG of a few KB would otherwise take 1.2 GB as RGB. The
+limit defaults to Pillow's (`DEFAULT_MAX_IMAGE_PIXELS`, 89,478,485 pixels, about 9459 x 9459);
+``DLPIPE_MAX_IMAGE_PIXELS=N`` in the environment (seen by every worker process) or
+`set_max_image_pixels` (this process, and loaders made after it) changes it. `decode_field`,
+the loader's decode (`dlpipe.transforms.decode_rgb`) and ``dlpipe convert`` all apply it.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import re
 from typing import Any
 
 import numpy as np
 
-from dlpipe.errors import FieldDecodeError, InvalidFieldError
+from dlpipe.errors import DlpipeError, FieldDecodeError, InvalidFieldError
 from dlpipe.sample import KEY_FIELD, check_field_name
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "IMAGE_EXTENSIONS",
+    "MAX_PIXELS_ENV",
+    "ImageTooLargeError",
+    "PixelLimitError",
+    "check_image_pixels",
     "decode_field",
     "decode_sample",
     "encode_field",
     "field_type",
+    "image_size",
+    "max_image_pixels",
+    "open_image",
+    "set_max_image_pixels",
+    "stable_message",
 ]
+
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # Pillow's own default: 1024 * 1024 * 1024 // 4 // 3
+MAX_PIXELS_ENV = "DLPIPE_MAX_IMAGE_PIXELS"
+_limit: int | None = None  # set_max_image_pixels; None: the environment, else the default
+
+
+class ImageTooLargeError(FieldDecodeError):
+    """An image's header gives more pixels than the pixel limit (a decompression bomb guard)."""
+
+
+class PixelLimitError(DlpipeError, ValueError):
+    """The pixel limit itself is not a positive integer."""
+
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp"})
 _PIL_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
@@ -64,19 +98,181 @@ def decode_field(name: str, data: bytes) -> Any:
             return json.loads(data)
         if kind == "ndarray":
             return np.load(io.BytesIO(data), allow_pickle=False)
+    except ImageTooLargeError as exc:
+        raise ImageTooLargeError(f"field {name!r} ({len(data)} bytes): {exc}") from exc
+    except RecursionError:  # deeply nested JSON
+        raise FieldDecodeError(
+            f"field {name!r} ({len(data)} bytes) does not decode as {kind}: nested too deeply"
+        ) from None
     except Exception as exc:  # each codec raises its own types; one named error reaches users
         raise FieldDecodeError(
-            f"field {name!r} ({len(data)} bytes) does not decode as {kind}: {exc}"
+            f"field {name!r} ({len(data)} bytes) does not decode as {kind}: {stable_message(exc)}"
         ) from exc
     return data
 
 
 def _decode_image(data: bytes) -> Any:
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(data))
+    image = open_image(data)
     image.load()
     return image
+
+
+def set_max_image_pixels(pixels: int | None) -> None:
+    """Set the pixel limit for this process (None: back to the environment or the default).
+
+    Loaders made afterwards carry it into their worker processes; for a process dlpipe does not
+    start, set ``DLPIPE_MAX_IMAGE_PIXELS`` instead.
+
+    Raises:
+        PixelLimitError: `pixels` is not a positive integer.
+    """
+    global _limit
+    if pixels is not None and (
+        not isinstance(pixels, int) or isinstance(pixels, bool) or pixels < 1
+    ):
+        raise PixelLimitError(f"pixel limit {pixels!r} must be a positive integer")
+    _limit = pixels
+
+
+def max_image_pixels() -> int:
+    """The pixel limit: `set_max_image_pixels`, else ``$DLPIPE_MAX_IMAGE_PIXELS``, else 89,478,485.
+
+    Raises:
+        PixelLimitError: ``DLPIPE_MAX_IMAGE_PIXELS`` is set to something but a positive integer.
+    """
+    if _limit is not None:
+        return _limit
+    text = os.environ.get(MAX_PIXELS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_IMAGE_PIXELS
+    if not text.isdigit() or int(text) < 1:
+        raise PixelLimitError(
+            f"{MAX_PIXELS_ENV}={text!r} is not a positive integer; set it to a pixel count "
+            f"(e.g. {DEFAULT_MAX_IMAGE_PIXELS}) or unset it"
+        )
+    return int(text)
+
+
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG, JPEG or WebP header without decoding; None for other kinds."""
+    head = bytes(data[:32])
+    if head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR" and len(head) >= 24:
+        return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    if head.startswith(b"\xff\xd8"):
+        return _jpeg_size(data)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP" and len(head) >= 30:
+        return _webp_size(head)
+    return None
+
+
+# start-of-frame markers: every C0..CF but DHT (C4), JPG (C8) and DAC (CC)
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """Walk the markers to the first start-of-frame, as libjpeg does."""
+    i, end = 2, len(data)
+    while i + 4 <= end:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+        elif marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # no length
+            i += 2
+        elif marker in (0xD9, 0xDA):  # end of image, start of scan: no frame header before
+            return None
+        elif marker in _SOF_MARKERS:
+            if i + 9 > end:
+                return None
+            height = int.from_bytes(data[i + 5 : i + 7], "big")
+            return int.from_bytes(data[i + 7 : i + 9], "big"), height
+        else:
+            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+    return None
+
+
+def _webp_size(head: bytes) -> tuple[int, int] | None:
+    chunk = head[12:16]
+    if chunk == b"VP8X":  # the canvas every frame must fit in
+        return 1 + int.from_bytes(head[24:27], "little"), 1 + int.from_bytes(head[27:30], "little")
+    if chunk == b"VP8L" and head[20] == 0x2F:
+        bits = int.from_bytes(head[21:25], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if chunk == b"VP8 " and head[23:26] == b"\x9d\x01\x2a":
+        return int.from_bytes(head[26:28], "little") & 0x3FFF, (
+            int.from_bytes(head[28:30], "little") & 0x3FFF
+        )
+    return None
+
+
+def check_image_pixels(data: bytes, limit: int | None = None) -> tuple[int, int]:
+    """The image's (width, height) from its header, refused when over the pixel limit.
+
+    Args:
+        data: encoded image bytes.
+        limit: the pixel limit (default `max_image_pixels()`).
+
+    Raises:
+        ImageTooLargeError: width x height is over the limit (names both and how to raise it).
+        FieldDecodeError: no header gives the image's size (not an image).
+    """
+    limit = max_image_pixels() if limit is None else limit
+    size = image_size(data) or _pillow_size(data, limit)
+    width, height = size
+    if width * height > limit:
+        raise ImageTooLargeError(
+            f"the image is {width}x{height} = {width * height:,} pixels, over the pixel limit "
+            f"of {limit:,} (a decompression-bomb guard); if you trust this data, raise it with "
+            f"{MAX_PIXELS_ENV}={width * height} or dlpipe.codecs.set_max_image_pixels()"
+        )
+    return size
+
+
+def _pillow_size(data: bytes, limit: int) -> tuple[int, int]:
+    """Pillow's lazy open reads only the header (for kinds `image_size` does not parse)."""
+    from PIL import Image
+
+    _pillow_allows(limit)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except Image.DecompressionBombError as exc:
+        raise ImageTooLargeError(f"{stable_message(exc)}; see {MAX_PIXELS_ENV}") from None
+    except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
+        raise FieldDecodeError(stable_message(exc)) from None
+
+
+def _pillow_allows(limit: int) -> None:
+    """Raise Pillow's own limit to dlpipe's when dlpipe's is higher: one limit, dlpipe's."""
+    from PIL import Image
+
+    if Image.MAX_IMAGE_PIXELS is not None and limit > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
+def open_image(data: bytes, limit: int | None = None) -> Any:
+    """A lazily opened ``PIL.Image.Image`` of `data`, after `check_image_pixels`.
+
+    Raises:
+        ImageTooLargeError, FieldDecodeError: as `check_image_pixels`.
+    """
+    from PIL import Image
+
+    limit = max_image_pixels() if limit is None else limit
+    check_image_pixels(data, limit)
+    _pillow_allows(limit)
+    return Image.open(io.BytesIO(data))
+
+
+# " <_io.BytesIO object at 0x7f...>" names only our buffer; any other " at 0x..." is an address
+_ADDRESS = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>| at 0x[0-9a-fA-F]+")
+
+
+def stable_message(exc: BaseException) -> str:
+    """``str(exc)`` without memory addresses (``<_io.BytesIO object at 0x7f...>``), so the same
+    failure reads the same in every run (``errors.jsonl`` is compared across runs)."""
+    return _ADDRESS.sub("", str(exc)) or type(exc).__name__
 
 
 def decode_sample(sample: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +290,7 @@ def decode_sample(sample: dict[str, Any]) -> dict[str, Any]:
         try:
             out[name] = decode_field(name, value)
         except FieldDecodeError as exc:
-            raise FieldDecodeError(f"sample {key!r}: {exc}") from exc
+            raise type(exc)(f"sample {key!r}: {exc}") from exc
     return out
 
 

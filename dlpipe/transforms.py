@@ -6,11 +6,12 @@ kind gives the same result type. The ``train`` recipe is RandomResizedCrop + hor
 ``eval`` is resize to ``image_size / 0.875`` + centre crop (torchvision's reference recipes),
 both torchvision.transforms.v2 on uint8 tensors. Augmentation randomness is seeded per
 (seed, epoch, sample index), so a resumed or re-sharded run augments every sample the same way.
+Every decode is preceded by the pixel limit's header check (`dlpipe.codecs.check_image_pixels`):
+an image over it is an `ImageTooLargeError`, before any decoder allocates for it.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +20,15 @@ import torch
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
-from dlpipe.codecs import IMAGE_EXTENSIONS
-from dlpipe.sample import Sample
+from dlpipe.codecs import (
+    IMAGE_EXTENSIONS,
+    check_image_pixels,
+    max_image_pixels,
+    open_image,
+    stable_message,
+)
+from dlpipe.errors import FieldDecodeError
+from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -35,17 +43,34 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def decode_rgb(data: bytes) -> torch.Tensor:
-    """Encoded image bytes → uint8 tensor (3, H, W)."""
+def decode_rgb(data: bytes, max_pixels: int | None = None) -> torch.Tensor:
+    """Encoded image bytes → uint8 tensor (3, H, W).
+
+    Args:
+        data: the encoded image.
+        max_pixels: the pixel limit (default `dlpipe.codecs.max_image_pixels()`).
+
+    Raises:
+        ImageTooLargeError: the header gives more pixels than the limit.
+        FieldDecodeError: no decoder here can read the bytes.
+    """
+    limit = max_image_pixels() if max_pixels is None else max_pixels
+    check_image_pixels(data, limit)
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     try:
         return decode_image(raw, mode=ImageReadMode.RGB)
     except RuntimeError:  # a kind libjpeg/libpng here refuses: Pillow decodes everything else
-        from PIL import Image
-
-        with Image.open(io.BytesIO(data)) as image:
+        pass
+    try:
+        with open_image(data, limit) as image:
             array = np.asarray(image.convert("RGB"))
-        return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+    except FieldDecodeError:
+        raise
+    except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
+        raise FieldDecodeError(
+            f"image ({len(data)} bytes) does not decode: {stable_message(exc)}"
+        ) from None
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
 def image_field(fields: list[str] | tuple[str, ...]) -> str:
@@ -68,6 +93,7 @@ class ImageTransform:
             raise ValueError(f"min_scale {min_scale} must be in (0, 1]: the smallest crop's area")
         self.recipe, self.image_size, self.field, self.seed = recipe, image_size, field, seed
         self.min_scale = min_scale
+        self.max_pixels = max_image_pixels()  # carried into spawned workers with the transform
         self._ops: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def ops(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -87,7 +113,11 @@ class ImageTransform:
         return {**self.__dict__, "_ops": None}
 
     def __call__(self, sample: Sample, epoch: int = 0, index: int = 0) -> tuple[torch.Tensor, int]:
-        image = decode_rgb(bytes(sample[self.field]))  # type: ignore[arg-type]
+        try:
+            image = decode_rgb(bytes(sample[self.field]), self.max_pixels)  # type: ignore[arg-type]
+        except FieldDecodeError as exc:  # name the sample: the error surfaces far from here
+            key = sample.get(KEY_FIELD, "?")
+            raise type(exc)(f"sample {key!r} field {self.field!r}: {exc}") from None
         label = int(bytes(sample["cls"])) if "cls" in sample else -1  # type: ignore[arg-type]
         if self.recipe == "train":
             with torch.random.fork_rng(devices=[]):
