@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "PROFILES_NAME",
     "LoaderProfile",
     "ProfileError",
+    "ProfileSaveError",
     "cache_file",
     "find_profile",
     "gpu_name",
@@ -54,6 +56,11 @@ __all__ = [
 SCHEMA_NAME = "dlpipe.loader-profiles"
 SCHEMA_VERSION = 1
 _FIX = "re-run `dlpipe bench-loader` on this dataset (it rewrites the file), or delete the file"
+# a profiles file is untrusted (it ships inside a dataset folder): settings past these would
+# start a fork bomb or pin gigabytes of prefetched batches, and no measurement picks them
+MAX_NUM_WORKERS = 256
+MAX_PREFETCH_FACTOR = 64
+MAX_PROFILES_BYTES = 1 << 20
 _MACHINE_KEYS = {"cpus", "gpu", "torch"}
 _LOADER_KEYS = {"split", "batch_size", "transform", "image_size"}
 
@@ -62,6 +69,10 @@ log = logging.getLogger("dlpipe")
 
 class ProfileError(DlpipeError, ValueError):
     """A loader profiles file (or a profile in it) is malformed or of an unknown version."""
+
+
+class ProfileSaveError(DlpipeError, OSError):
+    """Neither the dataset folder nor the user cache could take the profiles file."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +106,7 @@ class LoaderProfile:
             raise ProfileError("a profile is not a JSON object")
         try:
             return cls(
-                num_workers=_count(data["num_workers"], "num_workers"),
+                num_workers=_count(data["num_workers"], "num_workers", MAX_NUM_WORKERS),
                 prefetch_factor=_prefetch(data["prefetch_factor"]),
                 pin_memory=_flag(data["pin_memory"], "pin_memory"),
                 persistent_workers=_flag(data["persistent_workers"], "persistent_workers"),
@@ -164,10 +175,30 @@ def save_profile(dataset_path: str | os.PathLike[str], profile: LoaderProfile) -
     """Save `profile` for the dataset, replacing one with the same machine and loader keys.
 
     Returns:
-        The file written: beside the dataset when its folder is writable, else the user cache.
+        The file written: beside the dataset when its folder is writable, else (or when
+        writing there fails) the user cache.
+
+    Raises:
+        ProfileSaveError: neither place could be written; names each place and the OS error.
     """
     path = os.fspath(dataset_path)
-    dest = storage.join(path, PROFILES_NAME) if writable(path) else cache_file(path)
+    places = [storage.join(path, PROFILES_NAME)] if writable(path) else []
+    failures: list[str] = []
+    for dest in [*places, cache_file(path)]:
+        try:
+            _write_profiles(dest, profile)
+        except OSError as exc:
+            failures.append(f"{dest} ({exc.strerror or exc})")
+            continue
+        return dest
+    raise ProfileSaveError(
+        f"could not save the loader profile to {' or '.join(failures)}; set XDG_CACHE_HOME "
+        "to a writable folder or make the dataset folder writable, then re-run "
+        "`dlpipe bench-loader` (or pass --no-save)"
+    )
+
+
+def _write_profiles(dest: str, profile: LoaderProfile) -> None:
     try:
         kept = [p for p in _read(dest) if not p.matches(profile.machine, profile.loader)]
     except ProfileError as exc:
@@ -181,7 +212,6 @@ def save_profile(dataset_path: str | os.PathLike[str], profile: LoaderProfile) -
     if not storage.is_url(dest):
         os.makedirs(os.path.dirname(dest), exist_ok=True)
     storage.atomic_write_bytes(dest, (json.dumps(document, indent=2) + "\n").encode("utf-8"))
-    return dest
 
 
 def find_profile(
@@ -191,19 +221,29 @@ def find_profile(
     batch_size: int,
     transform: str | Callable[..., Any] | None,
     image_size: int,
+    strict: bool = True,
 ) -> tuple[LoaderProfile, str] | None:
     """The saved profile for this machine and loader call, and the file it came from.
 
     Looks beside the dataset, then in the user cache; only an exact `machine_key` and
-    `loader_key` match counts.
+    `loader_key` match counts. With ``strict=False`` a malformed file is one warning on the
+    ``dlpipe`` logger (naming it and the fix) and is passed over.
 
     Raises:
-        ProfileError: a profiles file there is malformed or of an unknown schema version.
+        ProfileError: (``strict``) a profiles file there is malformed or of an unknown
+            schema version.
     """
     path = os.fspath(dataset_path)
     machine, loader = machine_key(), loader_key(split, batch_size, transform, image_size)
     for source in (storage.join(path, PROFILES_NAME), cache_file(path)):
-        for profile in _read(source):
+        try:
+            found = _read(source)
+        except ProfileError as exc:
+            if strict:
+                raise
+            log.warning("%s; using the default worker settings", exc)
+            continue
+        for profile in found:
             if profile.matches(machine, loader):
                 return profile, source
     return None
@@ -218,13 +258,22 @@ def select_profile(
     transform: str | Callable[..., Any] | None,
     image_size: int,
 ) -> LoaderProfile | None:
-    """`make_loader`'s ``profile=``: ``"auto"`` finds a saved one (and logs it), else as given."""
+    """`make_loader`'s ``profile=``: ``"auto"`` finds a saved one (and logs it), else as given.
+
+    A malformed profiles file does not stop ``"auto"``: a profile only makes loading faster,
+    so it is one warning naming the file and the fix, and the defaults are used.
+    """
     if profile is None or isinstance(profile, LoaderProfile):
         return profile
     if profile != "auto":
         raise ProfileError(f"profile={profile!r}: pass 'auto', a LoaderProfile or None")
     found = find_profile(
-        dataset_path, split=split, batch_size=batch_size, transform=transform, image_size=image_size
+        dataset_path,
+        split=split,
+        batch_size=batch_size,
+        transform=transform,
+        image_size=image_size,
+        strict=False,
     )
     if found is None:
         log.debug(
@@ -254,17 +303,35 @@ def _identity(dataset_path: str) -> str:
 def _read(source: str) -> list[LoaderProfile]:
     """The profiles in one file ([] when there is none); `ProfileError` naming it if bad."""
     try:
-        raw = storage.read_bytes(source)
+        raw = _read_capped(source)
     except FileNotFoundError:
         return []
     try:
         data = json.loads(raw)
-    except ValueError as exc:
-        raise ProfileError(f"{source} is not valid JSON ({exc}); {_FIX}") from None
+    except (ValueError, RecursionError) as exc:
+        reason = exc if isinstance(exc, ValueError) else "nested too deeply"
+        raise ProfileError(f"{source} is not valid JSON ({reason}); {_FIX}") from None
     try:
         return _parse(data)
     except ProfileError as exc:
         raise ProfileError(f"{source} is not a valid loader profiles file: {exc}; {_FIX}") from None
+
+
+def _read_capped(source: str) -> bytes:
+    """The file's bytes, refusing anything but a regular file of at most MAX_PROFILES_BYTES
+    (a FIFO would hang the loader, a link to /dev/zero would read without end)."""
+    if storage.is_url(source):
+        with storage.open_read(source) as f:
+            raw = f.read(MAX_PROFILES_BYTES + 1)
+    else:
+        fd = os.open(storage.local_path(source), os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ProfileError(f"{source} is not a regular file; {_FIX}")
+            raw = f.read(MAX_PROFILES_BYTES + 1)
+    if len(raw) > MAX_PROFILES_BYTES:
+        raise ProfileError(f"{source} is over {MAX_PROFILES_BYTES} bytes; {_FIX}")
+    return raw
 
 
 def _parse(data: Any) -> list[LoaderProfile]:
@@ -280,15 +347,17 @@ def _parse(data: Any) -> list[LoaderProfile]:
     return [LoaderProfile.from_json(p) for p in profiles]
 
 
-def _count(value: Any, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ProfileError(f"{what} {value!r} is not a non-negative integer")
+def _count(value: Any, what: str, most: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise ProfileError(f"{what} {value!r} is not an integer in 0..{most}")
     return value
 
 
 def _prefetch(value: Any) -> int | None:
-    if value is not None and (_count(value, "prefetch_factor") < 1):
-        raise ProfileError(f"prefetch_factor {value!r} is not null or a positive integer")
+    if value is not None and (_count(value, "prefetch_factor", MAX_PREFETCH_FACTOR) < 1):
+        raise ProfileError(
+            f"prefetch_factor {value!r} is not null or an integer in 1..{MAX_PREFETCH_FACTOR}"
+        )
     return value
 
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from dlpipe.cli import non_negative_int, positive_float, positive_int
+from dlpipe.profile import ProfileSaveError
 
 if TYPE_CHECKING:  # the tuner imports torch: only when the command runs
     from dlpipe.tune import BenchReport, Trial
@@ -20,11 +25,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench-loader", help="measure the input pipeline and tune its workers")
     p.add_argument("data", help="dataset folder or URL")
     p.add_argument("--split", default="train")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--transform", choices=["train", "eval"], default="train")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--budget", type=float, default=60.0, help="seconds for the whole search")
-    p.add_argument("--max-workers", type=int, help="largest num_workers tried (2x cores)")
+    p.add_argument("--image-size", type=positive_int, default=224)
+    p.add_argument(
+        "--budget", type=positive_float, default=60.0, help="seconds for the whole search"
+    )
+    p.add_argument(
+        "--max-workers", type=non_negative_int, help="largest num_workers tried (2x cores)"
+    )
     p.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -54,25 +63,42 @@ def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
 
     def show(trial: Trial) -> None:
         if not quiet:
-            what = trial.skipped or f"{trial.samples_per_s:.0f} samples/s"
+            what = (
+                escape(trial.skipped) if trial.skipped else f"{trial.samples_per_s:.0f} samples/s"
+            )
             console.print(
                 f"  workers={trial.num_workers} prefetch={trial.prefetch_factor} "
                 f"pin={trial.pin_memory}: {what}"
             )
 
     report = bench_loader(config, on_trial=show)
-    saved = None if args.no_save else save_winner(report)
-    if args.plot:
-        _plot(report, args.plot)
+    saved, failure = None, None
+    if not args.no_save:
+        try:
+            saved = save_winner(report)
+        except ProfileSaveError as exc:  # the measurements are still shown, then the error
+            failure = str(exc)
     if quiet:
         print(json.dumps({**report.to_json(), "saved": saved}, indent=2))
     else:
         _print(report, console, saved)
+    if args.plot:
+        try:
+            _plot(report, args.plot)
+        except (OSError, ValueError) as exc:  # a bad --plot path must not hide the results
+            failure = failure or f"could not write the plot {args.plot}: {exc}; fix --plot"
+    if failure is not None:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
 def save_winner(report: BenchReport) -> str:
-    """Save the best trial as the loader profile `make_loader` finds; returns where."""
+    """Save the best trial as the loader profile `make_loader` finds; returns where.
+
+    Raises:
+        ProfileSaveError: neither the dataset folder nor the user cache could be written.
+    """
     from dlpipe.profile import LoaderProfile, loader_key, machine_key, save_profile
 
     best, cfg = report.best, report.config
@@ -107,7 +133,7 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
         "num_workers", "prefetch", "pin_memory", "samples/s", "worker RSS", title="trials"
     )
     for t in report.trials:
-        shown = t.skipped or f"{t.samples_per_s:.0f}"
+        shown = escape(t.skipped) if t.skipped else f"{t.samples_per_s:.0f}"
         mark = " ←" if t is report.best else ""
         trials.add_row(
             str(t.num_workers),
@@ -123,9 +149,11 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
         f"chosen: num_workers={best.num_workers} prefetch_factor={best.prefetch_factor} "
         f"pin_memory={best.pin_memory} ({best.samples_per_s:.0f} samples/s)"
     )
-    console.print(f"verdict: {report.advice}")
+    console.print(f"verdict: {escape(report.advice)}")
     if saved:
-        console.print(f"saved the profile to {saved}; dlpipe.make_loader uses it from now on")
+        console.print(
+            f"saved the profile to {escape(saved)}; dlpipe.make_loader uses it from now on"
+        )
 
 
 def _plot(report: BenchReport, path: str) -> None:

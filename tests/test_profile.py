@@ -152,13 +152,15 @@ def test_a_profile_passed_directly_is_used_as_is(make_dataset) -> None:
         ('{"schema": "dlpipe.loader-profiles", "schema_version": 1, "profiles": [{}]}', "missing"),
     ],
 )
-def test_a_malformed_profiles_file_is_named(make_dataset, text, rule) -> None:
+def test_a_malformed_profiles_file_is_named(make_dataset, text, rule, caplog) -> None:
     path = make_dataset("lmdb")
     bad = os.path.join(path, profiles.PROFILES_NAME)
     with open(bad, "w") as f:
         f.write(text)
+    loader = dlpipe.make_loader(path, batch_size=4, image_size=24)  # auto: a warning, defaults
+    assert loader.prefetch_factor == 2 and bad in caplog.text and rule in caplog.text
     with pytest.raises(ProfileError, match=rule) as info:
-        dlpipe.make_loader(path, batch_size=4, image_size=24)
+        find_profile(path, **KEY)
     assert bad in str(info.value) and "dlpipe bench-loader" in str(info.value)
     assert isinstance(info.value, dlpipe.DlpipeError) and isinstance(info.value, ValueError)
     assert save_profile(path, _profile()) == bad  # the fix works: saving replaces the bad file
