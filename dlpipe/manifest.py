@@ -27,22 +27,31 @@ It never holds timestamps or host names: the same input and options give the sam
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
+import stat
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.errors import ManifestError, ManifestNotFoundError
+from dlpipe.sample import check_field_name
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_JSON_DEPTH",
+    "MAX_MANIFEST_BYTES",
     "PROFILES_NAME",
     "SCHEMA_VERSION",
     "Manifest",
     "ShardInfo",
     "SplitInfo",
+    "parse_manifest",
     "read_manifest",
+    "read_manifest_bytes",
     "write_manifest",
 ]
 
@@ -50,8 +59,13 @@ MANIFEST_NAME = "dlpipe.json"
 PROFILES_NAME = "dlpipe-profiles.json"  # loader settings bench-loader measured on this data
 SCHEMA_NAME = "dlpipe.manifest"
 SCHEMA_VERSION = 1
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest of 10,000 shards is about 2 MB
+MAX_JSON_DEPTH = 32  # dlpipe writes 5 levels; options and source are small free-form objects
+_INT64_MAX = 2**63 - 1
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_SHARD_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+_SHARD_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
+_SPLIT_NAME_RE = re.compile(r"[A-Za-z0-9_]{1,100}")
+_JOURNAL_DIR = ".dlpipe-journal"  # the conversion journal (dlpipe.converters.journal)
 _SHARD_FILE_RE = re.compile(r"[A-Za-z0-9_]+-\d{6}\.[a-z0-9]+")
 
 
@@ -134,18 +148,41 @@ def read_manifest(folder: str) -> Manifest:
 
     Raises:
         ManifestNotFoundError: no ``dlpipe.json`` there.
-        ManifestError: it is not valid JSON, not schema version 1, or breaks the schema.
+        ManifestError: it is larger than `MAX_MANIFEST_BYTES`, not UTF-8, not valid JSON,
+            nested deeper than `MAX_JSON_DEPTH`, not schema version 1, or breaks the schema.
+    """
+    return parse_manifest(read_manifest_bytes(folder), storage.join(folder, MANIFEST_NAME))
+
+
+def read_manifest_bytes(folder: str) -> bytes:
+    """The bytes of `folder`'s ``dlpipe.json``: a regular file of at most `MAX_MANIFEST_BYTES`.
+
+    Raises:
+        ManifestNotFoundError: no ``dlpipe.json`` there.
+        ManifestError: it is not a regular file, or larger than the cap (refused unread).
     """
     path = storage.join(folder, MANIFEST_NAME)
     try:
-        raw = storage.read_bytes(path)
+        if storage.size(path) > MAX_MANIFEST_BYTES:
+            raise ManifestError(_too_large(path))
+        if storage.is_url(path):
+            with storage.open_read(path) as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
+        else:
+            raw = _read_regular_file(storage.local_path(path))
     except FileNotFoundError:
         raise ManifestNotFoundError(_missing_message(folder)) from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(_too_large(path))
+    return raw
+
+
+def parse_manifest(raw: bytes, path: str) -> Manifest:
+    """Validate the bytes of a manifest file; `path` names it in the error."""
+    data = _load_json(raw, path)
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ManifestError(f"{path} is not valid JSON ({exc}); re-run the conversion") from exc
-    try:
+        _require(isinstance(data, dict), "the top level is not a JSON object")
+        _check_depth(data)
         manifest = _parse(data)
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(
@@ -155,19 +192,92 @@ def read_manifest(folder: str) -> Manifest:
     from dlpipe.formats import get_format  # formats build on this module
 
     try:
-        get_format(manifest.format, manifest.format_version)
+        fmt = get_format(manifest.format, manifest.format_version)
     except ManifestError as exc:
         raise ManifestError(f"{path}: {exc}") from None
+    for split, info in manifest.splits.items():
+        for shard in info.shards:
+            if not shard.name.endswith(fmt.suffix):
+                raise ManifestError(
+                    f"{path}: shard {shard.name!r} of split {split!r} is not a {fmt.name} shard "
+                    f"name (ending in {fmt.suffix}); re-run the conversion or restore the file"
+                )
     return manifest
+
+
+def _read_regular_file(path: str) -> bytes:
+    # O_NONBLOCK: a FIFO named dlpipe.json must not hang the open; it is refused below
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ManifestError(
+                f"{path} is not a regular file (a FIFO, device or folder); a manifest is a "
+                "plain JSON file: restore it or re-run the conversion"
+            )
+        return f.read(MAX_MANIFEST_BYTES + 1)
+
+
+def _too_large(path: str) -> str:
+    return (
+        f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, the most a manifest may be "
+        "(one of 10,000 shards is about 2 MB); it is not a dlpipe manifest: restore it or "
+        "re-run the conversion"
+    )
+
+
+def _load_json(raw: bytes, path: str) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(
+            f"{path} is not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            "re-run the conversion or restore the file"
+        ) from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ManifestError(
+            f"{path} is nested deeper than {MAX_JSON_DEPTH} levels; it is not a dlpipe "
+            "manifest: re-run the conversion or restore the file"
+        ) from None
+    except ValueError as exc:
+        raise ManifestError(f"{path} is not valid JSON ({exc}); re-run the conversion") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        counts = Counter(k for k, _ in pairs)
+        duplicate = next(k for k, n in counts.items() if n > 1)
+        raise ValueError(f"key {duplicate!r} appears twice in one object")
+    return data
+
+
+def _check_depth(data: Any) -> None:
+    """Refuse JSON nested deeper than `MAX_JSON_DEPTH` (printing or dumping it would recurse)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        _require(depth <= MAX_JSON_DEPTH, f"it is nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def _missing_message(folder: str) -> str:
     names = storage.listdir(folder)
     if any(_SHARD_FILE_RE.fullmatch(n) or n.startswith(".dlpipe-") for n in names):
+        raw, fmt = _interrupted_run(folder, names)
+        command = f"dlpipe convert {raw} --to {fmt} --out {shlex.quote(folder)}"
         return (
             f"{folder} has no {MANIFEST_NAME}: it is an unfinished conversion (the manifest is "
-            "written last). Finish it with `dlpipe convert RAW --out "
-            f"{folder} --resume`, or start again with --overwrite"
+            f"written last). Finish it with `{command} --resume` (the same raw folder and "
+            "options as the interrupted run), or start again with --overwrite"
         )
     inside = [
         n for n in names if storage.exists(storage.join(storage.join(folder, n), MANIFEST_NAME))
@@ -175,8 +285,38 @@ def _missing_message(folder: str) -> str:
     hint = f" Datasets inside it: {', '.join(inside)}." if inside else ""
     return (
         f"{folder} is not a dlpipe dataset: no {MANIFEST_NAME} there.{hint} Create one with "
-        f"`dlpipe convert RAW --to wds|lmdb|hdf5 --out {folder}`"
+        f"`dlpipe convert RAW --to wds|lmdb|hdf5 --out {shlex.quote(folder)}`"
     )
+
+
+def _interrupted_run(folder: str, names: list[str]) -> tuple[str, str]:
+    """(raw folder, format) of the conversion that left `folder` unfinished, as far as known.
+
+    From the journal's ``plan.json`` when it records them, else the format from the shard
+    names the journal and the folder hold. Read defensively: the folder is untrusted.
+    """
+    from dlpipe.formats import FORMATS  # formats build on this module
+
+    journal = storage.join(folder, _JOURNAL_DIR)
+    plan = _small_json(storage.join(journal, "plan.json"))
+    raw = plan.get("raw") or plan.get("source")
+    fmt = plan.get("format")
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        shards = [n.removesuffix(".json") for n in storage.listdir(journal)] + names
+        found = {f.name for f in FORMATS.values() for n in shards if n.endswith(f.suffix)}
+        fmt = found.pop() if len(found) == 1 else "|".join(sorted(FORMATS))
+    return (shlex.quote(raw) if isinstance(raw, str) and raw else "RAW"), fmt
+
+
+def _small_json(path: str) -> dict[str, Any]:
+    """A small JSON object file, or {} when it is missing, too large or not an object."""
+    try:
+        if storage.size(path) > 1 << 16:
+            return {}
+        data = json.loads(storage.read_bytes(path))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _describe(exc: Exception) -> str:
@@ -185,12 +325,11 @@ def _describe(exc: Exception) -> str:
     return str(exc)
 
 
-def _parse(data: Any) -> Manifest:
-    _require(isinstance(data, dict), "the top level is not a JSON object")
+def _parse(data: dict[str, Any]) -> Manifest:
     _require(data["schema"] == SCHEMA_NAME, f"'schema' is {data['schema']!r}, not {SCHEMA_NAME!r}")
     version = data["schema_version"]
     _require(
-        version == SCHEMA_VERSION,
+        version == SCHEMA_VERSION and not isinstance(version, bool),
         f"schema_version {version!r} is not {SCHEMA_VERSION} (upgrade dlpipe to read it)",
     )
     fields = data["fields"]
@@ -200,11 +339,15 @@ def _parse(data: Any) -> Manifest:
     _require(all(isinstance(c, str) for c in classes), "'classes' holds a non-string")
     splits = data["splits"]
     _require(isinstance(splits, dict) and len(splits) > 0, "'splits' is not a non-empty object")
+    parsed = {_split_name(k): _parse_split(k, v, len(classes)) for k, v in splits.items()}
+    names = Counter(s.name for split in parsed.values() for s in split.shards)
+    twice = sorted(n for n, count in names.items() if count > 1)
+    _require(not twice, f"shard {twice[0]!r} is listed twice" if twice else "")
     return Manifest(
         format=_string(data["format"], "format"),
         format_version=_count(data["format_version"], "format_version"),
-        fields={_string(k, "field"): _string(v, f"fields.{k}") for k, v in fields.items()},
-        splits={_string(k, "split"): _parse_split(k, v) for k, v in splits.items()},
+        fields={_field_name(k): _string(v, f"fields.{k}") for k, v in fields.items()},
+        splits=parsed,
         classes=tuple(classes),
         options=_object(data["options"], "options"),
         source=_object(data["source"], "source"),
@@ -212,27 +355,62 @@ def _parse(data: Any) -> Manifest:
     )
 
 
-def _parse_split(name: str, data: Any) -> SplitInfo:
+def _split_name(name: str) -> str:
+    _require(
+        bool(_SPLIT_NAME_RE.fullmatch(name)),
+        f"split name {name!r} is not 1-100 letters, digits and _",
+    )
+    return name
+
+
+def _field_name(name: str) -> str:
+    try:
+        return check_field_name(name)
+    except ValueError as exc:
+        raise ValueError(str(exc).split(":")[0]) from None
+
+
+def _parse_split(name: str, data: Any, num_classes: int) -> SplitInfo:
     _require(isinstance(data, dict), f"split {name!r} is not an object")
+    _require(isinstance(data["shards"], list), f"split {name!r}: 'shards' is not a list")
     shards = tuple(_parse_shard(name, s) for s in data["shards"])
     _require(len(shards) > 0, f"split {name!r} has no shards")
-    counts = data.get("class_counts")
-    if counts is not None:
-        counts = tuple(_count(c, f"splits.{name}.class_counts") for c in counts)
-    split = SplitInfo(shards=shards, class_counts=counts)
+    split = SplitInfo(shards=shards, class_counts=_class_counts(name, data, num_classes))
+    for key, total in (("samples", split.samples), ("bytes", split.bytes)):
+        _require(total <= _INT64_MAX, f"split {name!r} holds more than 2**63-1 {key}")
+        _require(
+            data[key] == total and not isinstance(data[key], bool),
+            f"split {name!r} says {data[key]!r} {key} but its shards hold {total}",
+        )
+    counts = split.class_counts
     _require(
-        data["samples"] == split.samples,
-        f"split {name!r} says {data['samples']} samples but its shards hold {split.samples}",
+        counts is None or sum(counts) == split.samples,
+        f"split {name!r}: class_counts add up to {sum(counts or ())}, not its {split.samples} "
+        "samples",
     )
     return split
 
 
+def _class_counts(split: str, data: dict[str, Any], num_classes: int) -> tuple[int, ...] | None:
+    counts = data.get("class_counts")
+    if counts is None:
+        return None
+    what = f"splits.{split}.class_counts"
+    _require(isinstance(counts, list), f"{what} is not a list")
+    _require(
+        len(counts) == num_classes,
+        f"{what} has {len(counts)} entries but there are {num_classes} classes",
+    )
+    return tuple(_count(c, what) for c in counts)
+
+
 def _parse_shard(split: str, data: Any) -> ShardInfo:
     _require(isinstance(data, dict), f"a shard of split {split!r} is not an object")
-    name = _string(data["name"], "shard name")
+    name = data["name"]
     _require(
-        bool(_SHARD_NAME_RE.fullmatch(name)) and name not in {".", ".."},
-        f"shard name {name!r} is not a plain file name",
+        isinstance(name, str) and bool(_SHARD_NAME_RE.fullmatch(name)) and ".." not in name,
+        f"shard name {name!r} is not a plain file name (letters, digits, _ - . and no "
+        "leading dot, no '..', no folder)",
     )
     digest = _string(data["sha256"], f"{name}.sha256")
     _require(bool(_SHA256_RE.fullmatch(digest)), f"{name}: sha256 {digest!r} is not 64 hex digits")
@@ -255,8 +433,8 @@ def _string(value: Any, what: str) -> str:
 
 
 def _count(value: Any, what: str) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    _require(ok, f"{what} {value!r} is not a non-negative integer")
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _INT64_MAX
+    _require(ok, f"{what} {value!r} is not a non-negative integer (at most 2**63-1)")
     return int(value)
 
 
