@@ -9,24 +9,199 @@ read exactly once per pass across all of them: random-access formats give each c
 contiguous range of indices; the streaming format (wds) gives each consumer whole shards.
 Readers open lazily in the process that reads, so the object is safe to hand to fork or spawn
 DataLoader workers.
+
+A prepared dataset is untrusted input and may be replaced while it is read
+(``dlpipe convert --overwrite`` under a live loader). The view records which ``dlpipe.json``
+it parsed; whenever a shard is opened in a process (each pass, for streaming shards) it checks,
+with one stat, that this manifest is still in place, and raises `DatasetChangedError` if not
+(an overwrite removes the manifest before it touches a shard, so a shard opened while the
+manifest is unchanged holds what it lists). Every sample's key is checked against the key rule
+and, when the dataset has class names, its ``cls`` label against ``0..len(classes) - 1``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch.utils.data
 
 from dlpipe import storage
-from dlpipe.errors import ShardCountError
+from dlpipe.errors import DlpipeError, ShardCountError
 from dlpipe.formats import ShardReader, get_format, require_storage
-from dlpipe.manifest import Manifest, read_manifest
+from dlpipe.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    parse_manifest,
+    read_manifest_bytes,
+)
 from dlpipe.sample import Sample
+from dlpipe.verify import sample_problem
 
-__all__ = ["MapDataset", "PreparedDataset", "StreamDataset", "open_dataset", "resolve_rank"]
+__all__ = [
+    "CheckedReader",
+    "DatasetChangedError",
+    "ManifestStamp",
+    "MapDataset",
+    "PreparedDataset",
+    "StreamDataset",
+    "open_dataset",
+    "read_manifest_stamped",
+    "resolve_rank",
+]
+
+_URL_STAMP_KEYS = ("size", "ETag", "etag", "mtime", "LastModified", "created", "generation")
+
+
+class DatasetChangedError(DlpipeError, RuntimeError):
+    """The dataset's manifest was replaced or removed after this reader opened it."""
+
+
+@dataclass(frozen=True)
+class ManifestStamp:
+    """Which ``dlpipe.json`` a view parsed: its file identity and the sha256 of its bytes.
+
+    Picklable, so DataLoader workers carry it and check it in their own process.
+    """
+
+    folder: str
+    identity: tuple[str, ...]
+    sha256: str
+
+    def changed(self) -> bool:
+        """True when the manifest no longer holds the bytes that were parsed.
+
+        One stat when nothing changed; the file is read again only when its identity did, so
+        a touched, or byte-identical rewritten, manifest is no change.
+        """
+        if _manifest_identity(self.folder) == self.identity:
+            return False
+        try:
+            raw = read_manifest_bytes(self.folder)
+        except DlpipeError:
+            return True
+        return hashlib.sha256(raw).hexdigest() != self.sha256
+
+    def check(self, shard: str) -> None:
+        """Raise `DatasetChangedError` (naming `shard`) when the manifest changed."""
+        if self.changed():
+            raise DatasetChangedError(
+                f"{self.folder} was replaced or removed while it was being read (its "
+                f"{MANIFEST_NAME} is not the one this reader opened), so shard {shard} may "
+                "hold other data; stop the readers of a dataset before converting into it "
+                "again, then open it anew"
+            )
+
+
+def read_manifest_stamped(folder: str) -> tuple[Manifest, ManifestStamp]:
+    """The manifest of `folder` (as `dlpipe.read_manifest`), plus the stamp of the file parsed."""
+    for _ in range(3):  # a manifest replaced while it is read is read again
+        before = _manifest_identity(folder)
+        raw = read_manifest_bytes(folder)
+        if _manifest_identity(folder) == before:
+            stamp = ManifestStamp(folder, before, hashlib.sha256(raw).hexdigest())
+            return parse_manifest(raw, storage.join(folder, MANIFEST_NAME)), stamp
+    raise DatasetChangedError(
+        f"{folder}: {MANIFEST_NAME} changed each time it was read; wait for the conversion "
+        "writing it to finish"
+    )
+
+
+def _manifest_identity(folder: str) -> tuple[str, ...]:
+    """What changes when the manifest is replaced: inode, size, mtime (or URL metadata)."""
+    path = storage.join(folder, MANIFEST_NAME)
+    if storage.is_url(path):
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(path)
+        try:
+            info = fs.info(p)
+        except FileNotFoundError:
+            return ("missing",)
+        return tuple(f"{k}={info[k]}" for k in _URL_STAMP_KEYS if k in info)
+    try:
+        st = os.stat(storage.local_path(path))
+    except FileNotFoundError:
+        return ("missing",)
+    return (str(st.st_dev), str(st.st_ino), str(st.st_size), str(st.st_mtime_ns))
+
+
+class CheckedReader:
+    """A shard reader as the dataset view hands it out: the manifest is checked when the shard
+    is opened in a process, and every sample's key and label when it is read."""
+
+    def __init__(self, reader: ShardReader, stamp: ManifestStamp, num_classes: int) -> None:
+        self.reader, self.stamp, self.num_classes = reader, stamp, num_classes
+        self._opened_in: int | None = None
+
+    @property
+    def path(self) -> str:
+        return self.reader.path
+
+    @property
+    def info(self) -> ShardInfo:
+        return self.reader.info
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_opened_in": None}
+
+    def get(self, index: int) -> Sample:
+        """Sample `index` of the shard (random-access formats)."""
+        if self._opened_in != os.getpid():
+            return self._open_with(lambda: self.reader.get(index), index)
+        return self._checked(self.reader.get(index), index)
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self._pass(iter(self.reader), 0)
+
+    def iter_from(self, start: int) -> Generator[Sample, None, None]:
+        """Samples from index `start` on (each call is one pass, opened anew)."""
+        return self._pass(self.reader.iter_from(start), start)
+
+    def _pass(self, stream: Iterator[Sample], start: int) -> Generator[Sample, None, None]:
+        try:
+            try:
+                first = self._open_with(lambda: next(stream), start)
+            except StopIteration:
+                return
+            yield first
+            for index, sample in enumerate(stream, start + 1):
+                yield self._checked(sample, index)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+
+    def _open_with(self, read: Callable[[], Sample], index: int) -> Sample:
+        """The first sample read in this process or pass, with the manifest checked around
+        the shard's opening (a missing or resized shard is named a replacement if it is one)."""
+        self.stamp.check(self.info.name)
+        try:
+            sample = read()
+        except DlpipeError:
+            self.stamp.check(self.info.name)
+            raise
+        self.stamp.check(self.info.name)
+        self._opened_in = os.getpid()
+        return self._checked(sample, index)
+
+    def _checked(self, sample: Sample, index: int) -> Sample:
+        problem = sample_problem(sample, self.num_classes)
+        if problem is not None:
+            raise self.reader.corrupt(problem, index)
+        return sample
+
+    def close(self) -> None:
+        self.reader.close()
+
 
 Transform = Callable[[Sample], Any]
 
@@ -57,6 +232,7 @@ class PreparedDataset:
         manifest: Manifest,
         split: str,
         *,
+        stamp: ManifestStamp,
         rank: int,
         world_size: int,
         transform: Transform | None,
@@ -69,8 +245,11 @@ class PreparedDataset:
         fmt = get_format(manifest.format, manifest.format_version)
         info = manifest.split(split)
         fields = list(manifest.fields)
-        self.readers: list[ShardReader] = [
-            fmt.reader(storage.join(path, s.name), s, fields) for s in info.shards
+        self.stamp = stamp
+        classes = len(manifest.classes)
+        self.readers: list[CheckedReader] = [
+            CheckedReader(fmt.reader(storage.join(path, s.name), s, fields), stamp, classes)
+            for s in info.shards
         ]
         counts = np.asarray([s.samples for s in info.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
@@ -176,13 +355,16 @@ def open_dataset(
 
     Raises:
         ManifestNotFoundError, ManifestError: not a (finished) dataset.
+        DatasetChangedError: later, when a shard is opened after the manifest was replaced.
         UnsupportedStorageError: an lmdb dataset given as a URL.
         KeyError: no such split (the message lists the splits).
     """
     path = os.fspath(path)
-    manifest = read_manifest(path)
+    manifest, stamp = read_manifest_stamped(path)
     fmt = get_format(manifest.format, manifest.format_version)
     require_storage(fmt, path)
     rank, world_size = resolve_rank(rank, world_size)
     cls = MapDataset if fmt.random_access else StreamDataset
-    return cls(path, manifest, split, rank=rank, world_size=world_size, transform=transform)
+    return cls(
+        path, manifest, split, stamp=stamp, rank=rank, world_size=world_size, transform=transform
+    )
