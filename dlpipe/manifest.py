@@ -208,13 +208,16 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
 def _read_regular_file(path: str) -> bytes:
     # O_NONBLOCK: a FIFO named dlpipe.json must not hang the open; it is refused below
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
+    try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ManifestError(
                 f"{path} is not a regular file (a FIFO, device or folder); a manifest is a "
                 "plain JSON file: restore it or re-run the conversion"
             )
-        return f.read(MAX_MANIFEST_BYTES + 1)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 def _too_large(path: str) -> str:
