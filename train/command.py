@@ -184,6 +184,8 @@ def _preflight_and_launch(config: Any, args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: Any, console: Console) -> None:
+    from rich.markup import escape
+
     last = summary.last_val
     if "top1" in last:
         console.print(
@@ -192,9 +194,11 @@ def _print_summary(summary: Any, console: Console) -> None:
         )
     run = summary.run_dir
     console.print(
-        f"metrics {os.path.join(run, 'metrics.jsonl')}, TensorBoard "
-        f"{os.path.join(run, 'tensorboard')}, confusion matrix "
-        f"{os.path.join(run, 'confusion.png')}, checkpoints {os.path.join(run, 'checkpoints')}"
+        escape(
+            f"metrics {os.path.join(run, 'metrics.jsonl')}, TensorBoard "
+            f"{os.path.join(run, 'tensorboard')}, confusion matrix "
+            f"{os.path.join(run, 'confusion.png')}, checkpoints {os.path.join(run, 'checkpoints')}"
+        )
     )
 
 

@@ -398,10 +398,10 @@ class Trainer:
             self.train_loader.load_state_dict(rank_state["loader"])
         except LoaderStateError as exc:
             raise ckpt.CheckpointError(
-                f"checkpoint {path}: {exc.saved_workers} loader workers wrote its data position, "
-                f"this run has {exc.workers}; it resumes exactly only with the same count: add "
-                f"--num-workers {exc.saved_workers} (then bench-loader's choice applies to the "
-                "next run folder)"
+                f"checkpoint {path} saved its data position with --num-workers "
+                f"{exc.saved_workers}, this run has {exc.workers} loader workers; the position "
+                f"resumes exactly only with the same count: add --num-workers {exc.saved_workers} "
+                "(bench-loader's choice then applies from the next run folder on)"
             ) from None
         ckpt.set_rng_state(rank_state["rng"])
 
