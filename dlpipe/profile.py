@@ -182,8 +182,9 @@ def save_profile(dataset_path: str | os.PathLike[str], profile: LoaderProfile) -
         ProfileSaveError: neither place could be written; names each place and the OS error.
     """
     path = os.fspath(dataset_path)
-    places = [storage.join(path, PROFILES_NAME)] if writable(path) else []
-    failures: list[str] = []
+    beside = storage.join(path, PROFILES_NAME)
+    places = [beside] if writable(path) else []
+    failures = [] if places else [f"{beside} (the folder is not writable)"]
     for dest in [*places, cache_file(path)]:
         try:
             _write_profiles(dest, profile)
