@@ -118,6 +118,31 @@ class Distributed:
         if self.enabled:
             self.guarded(what, dist.barrier)
 
+    def on_main(
+        self, what: str, work: Callable[[], T], share: Callable[[T], Any] | None = None
+    ) -> Any:
+        """`work()` on rank 0 only. Rank 0 gets its result, the others ``share(result)`` (the
+        result itself by default); an error of rank 0 is raised on every rank, so no rank waits
+        for one that gave up."""
+        result: Any = None
+        failure: BaseException | None = None
+        if self.is_main:
+            try:
+                result = work()
+            except (DlpipeError, OSError) as exc:
+                failure = exc
+        if self.enabled:
+            shared = None if failure is not None else (share or _same)(result)
+            message = None if failure is None else (type(failure), str(failure))
+            shared, message = self.broadcast((shared, message), what=what)
+            if message is not None and failure is None:
+                failure = message[0](message[1])
+            if not self.is_main and failure is None:
+                result = shared
+        if failure is not None:
+            raise failure
+        return result
+
     def average_buffers(self, model: nn.Module) -> None:
         """Make BatchNorm statistics (and other buffers) equal on all ranks before eval/save.
 
@@ -148,6 +173,10 @@ class Distributed:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> Distributed:

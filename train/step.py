@@ -29,6 +29,7 @@ from torch import nn
 
 from dlpipe.errors import DlpipeError
 from dlpipe.train.distributed import Distributed
+from dlpipe.train.metrics import EvalCounts, EvalResult
 from dlpipe.transforms import normalize
 
 __all__ = ["Precision", "StepResult", "StepRunner", "TrainingError", "resolve_precision"]
@@ -224,6 +225,34 @@ class StepRunner:
         """One loader batch as the micro-batches the current backoff allows."""
         size = math.ceil(len(labels) / self.splits)
         yield from zip(images.split(size), labels.split(size), strict=True)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader: Any, num_classes: int) -> EvalResult:
+        """Every sample of `loader` (this rank's part) through `model` (not DDP: no collective
+        until the end, so an out-of-memory retry is per rank); counts summed over ranks."""
+        self.dist.average_buffers(model)
+        model.eval()
+        counts = EvalCounts(num_classes, self.device)
+        for images, labels in loader:
+            while True:
+                try:
+                    outputs = [
+                        self._eval_forward(model, x, y) for x, y in self.chunks(images, labels)
+                    ]
+                    break
+                except torch.OutOfMemoryError:
+                    self.back_off(len(labels))
+            for logits, y, loss in outputs:
+                counts.update(logits, y, loss)
+        self.dist.all_reduce_(*counts.tensors(), what="summing the evaluation counts")
+        model.train()
+        return counts.result()
+
+    def _eval_forward(
+        self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, y = self.logits(model, images, labels)
+        return logits, y, F.cross_entropy(logits.float(), y, reduction="sum")
 
     def back_off(self, loader_batch: int) -> None:
         """Halve the micro-batch after an out-of-memory error (raises at one sample)."""

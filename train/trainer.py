@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
-import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -24,19 +22,17 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.markup import escape
 from torch import nn
 
-from dlpipe import storage
-from dlpipe.errors import DlpipeError, SplitTooSmallError
+from dlpipe.errors import SplitTooSmallError
 from dlpipe.loader import LoaderStateError, make_loader
 from dlpipe.train import checkpoint as ckpt
-from dlpipe.train import preflight
+from dlpipe.train import preflight, runfolder
 from dlpipe.train.config import TrainConfig, plan_batches, to_toml
 from dlpipe.train.distributed import init_distributed, watch_parent
-from dlpipe.train.metrics import EvalCounts, EvalResult
+from dlpipe.train.metrics import EvalResult
 from dlpipe.train.models import build_model, unwrap
 from dlpipe.train.optim import build_optimizer, build_scheduler
 from dlpipe.train.progress import EpochStats, RunSummary, epoch_line, input_verdict
@@ -87,7 +83,10 @@ class Trainer:
         self.run_dir = r.out
         self.manifest = preflight.check_dataset(self.config)
         self.classes = list(self.manifest.classes)
-        self._on_main("taking the run folder", self._take_run_folder)
+        self.dist.on_main(
+            "taking the run folder",
+            lambda: runfolder.take_run_folder(self.config, self.console, self._resources),
+        )
         self.plan = plan_batches(r.batch_size, self.dist.world_size, r.micro_batch)
         self.precision = resolve_precision(r.precision, self.dist.device)
         random.seed(r.seed)
@@ -164,31 +163,6 @@ class Trainer:
         warn = self.warn if self.dist.is_main else (lambda text: None)
         split = preflight.val_split(self.config, self.manifest, warn)
         return None if split is None else self._loader(split, "eval")
-
-    def _on_main(self, what: str, work: Any) -> Any:
-        """Run `work()` on rank 0 only; every rank returns its result or raises its error."""
-        result, error = None, None
-        if self.dist.is_main:
-            try:
-                result = work()
-            except (DlpipeError, OSError) as exc:
-                error = exc
-        outcome = self.dist.broadcast(
-            (result, None if error is None else (type(error), str(error))), what=what
-        )
-        if error is not None:
-            raise error
-        result, failure = outcome
-        if failure is not None:
-            raise failure[0](failure[1])
-        return result
-
-    def _take_run_folder(self) -> None:
-        """Rank 0: refuse a second run in the folder, hold its lock, drop killed writes' temps."""
-        preflight.check_run_folder(self.config)
-        self._resources.enter_context(storage.output_lock(self.run_dir))
-        for path in ckpt.remove_temp_files(self.run_dir):
-            self.console.print(f"removed {escape(path)}: a checkpoint write that was killed")
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         wrapped = self.dist.wrap(model)
@@ -281,36 +255,12 @@ class Trainer:
 
     # ---- evaluation and the end of an epoch ----------------------------------------------
 
-    @torch.no_grad()
     def _evaluate(self) -> EvalResult | None:
-        """Every val sample exactly once over all ranks; integer counts summed over ranks."""
+        """Every val sample exactly once over all ranks (`StepRunner.evaluate`)."""
         if self.val_loader is None:
             return None
-        self.dist.average_buffers(self.model)
-        model = self.model
-        model.eval()
-        counts = EvalCounts(len(self.classes), self.dist.device)
-        for images, labels in self.val_loader:
-            while True:
-                try:
-                    outputs = [
-                        self._eval_forward(x, y) for x, y in self.runner.chunks(images, labels)
-                    ]
-                    break
-                except torch.OutOfMemoryError:  # no collective until the end: retry alone
-                    self.phase = "evaluation"
-                    self.runner.back_off(len(labels))
-            for logits, y, loss in outputs:
-                counts.update(logits, y, loss)
-        self.dist.all_reduce_(*counts.tensors(), what="summing the evaluation counts")
-        model.train()
-        return counts.result()
-
-    def _eval_forward(
-        self, images: torch.Tensor, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits, y = self.runner.logits(self.model, images, labels)  # not DDP: no collectives
-        return logits, y, F.cross_entropy(logits.float(), y, reduction="sum")
+        self.phase = "evaluation"
+        return self.runner.evaluate(self.model, self.val_loader, len(self.classes))
 
     def _end_epoch(self, result: EvalResult | None) -> bool:
         """Report the epoch, update early stopping; returns True to stop early."""
@@ -427,42 +377,24 @@ class Trainer:
 
     def _resume(self) -> None:
         """Load the checkpoint --resume names (auto: the newest that loads); collective."""
-        self._chosen: dict[str, Any] | None = None
-        path = self._on_main("choosing the checkpoint to resume from", self._choose_checkpoint)
+        path, state = self.dist.on_main(
+            "choosing the checkpoint to resume from",
+            lambda: runfolder.choose_checkpoint(self.config, self.console),
+            share=lambda found: (found[0], None),  # the path: each rank loads its own copy
+        )
         if path is None:
             return
-        state = self._chosen if self._chosen is not None else ckpt.load_checkpoint(path)
-        self._chosen = None  # not kept: it holds a copy of every weight
+        state = state if state is not None else ckpt.load_checkpoint(path)
         ckpt.check_resumable(state, path, self.dist.world_size, self.classes)
         preflight.check_checkpoint(state, path, unwrap(self.model), self.optimizer, self.config)
         self.load_state_dict(state, state["ranks"][self.dist.rank], path)
+        del state  # a copy of every weight
         if self.dist.is_main:
-            suffix = ".broken" if self.config.run.resume == "auto" else ".superseded"
-            for moved in ckpt.set_aside_newer(self.run_dir, self.step, suffix):
-                self.console.print(
-                    f"set aside {escape(moved)}: newer than the checkpoint resumed from, so not "
-                    "part of this run any more (nothing was deleted)"
-                )
+            runfolder.set_aside_newer(self.config, self.step, self.console)
         self.console.print(
             f"resumed from {escape(path)} (step {self.step}, epoch {self.epoch + 1})"
         )
         self._log().event("resume", step=self.step, epoch=self.epoch, path=path)
-
-    def _choose_checkpoint(self) -> str | None:
-        """Rank 0: the checkpoint to resume from, loaded into ``_chosen`` (read once)."""
-        choice = self.config.run.resume
-        if choice == "none":
-            return None
-        if choice != "auto":
-            self._chosen = ckpt.load_checkpoint(choice)
-            return choice
-        newest = ckpt.newest_checkpoint(self.run_dir)  # every one broken: CheckpointError
-        if newest is None:
-            return None
-        for problem in newest[2]:
-            self.console.print(f"[yellow]skipped[/yellow] {escape(problem)}")
-        self._chosen = newest[1]
-        return newest[0]
 
     # ---- signals, messages ---------------------------------------------------------------
 
@@ -470,10 +402,7 @@ class Trainer:
         self.runner.stop_requested = True
 
     def _explain_stop(self, why: str, path: str) -> None:
-        config = shlex.quote(os.path.join(self.run_dir, "config.toml"))
-        resume = f"dlpipe train --config {config}"
-        if self.dist.enabled:
-            resume += f" --nproc-per-node {self.dist.world_size}"
+        resume = runfolder.resume_command(self.run_dir, self.dist.world_size)
         what = {
             "signal": f"stopped on {self.signals.name or 'a signal'}",
             "max_steps": f"reached --max-steps {self.config.run.max_steps}",
@@ -496,10 +425,8 @@ class Trainer:
     def _announce(self) -> None:
         p, d = self.plan, self.config.data
         text = to_toml(self.config)
-        if self.dist.is_main:  # what the printed resume command reads: resume auto, no max_steps
-            os.makedirs(self.run_dir, exist_ok=True)
-            resume = to_toml(self.config.for_resume()).encode()
-            storage.atomic_write_bytes(os.path.join(self.run_dir, "config.toml"), resume)
+        if self.dist.is_main:  # what the printed resume command reads
+            runfolder.write_resume_config(self.config)
         params = sum(t.numel() for t in self.model.parameters())
         if self.show_config:
             self.console.print(text.rstrip(), markup=False)
