@@ -436,9 +436,14 @@ def _read_only_bind(folder: str, where: Path) -> str:
         pytest.skip("cannot bind-mount here (needs root and mount)")
     remount = ["mount", "-o", "remount,bind,ro", str(where)]
     if subprocess.run(remount, capture_output=True).returncode != 0:
-        subprocess.run(["umount", str(where)], check=False)
+        _unmount(str(where))
         pytest.skip("cannot remount read-only here")
     return str(where)
+
+
+def _unmount(where: str) -> None:
+    """Lazily: the loader may still hold an LMDB map of a file in there."""
+    subprocess.run(["umount", "-l", where], check=True, capture_output=True)
 
 
 def test_bench_loader_shows_results_when_the_profile_cannot_be_saved(
@@ -453,7 +458,7 @@ def test_bench_loader_shows_results_when_the_profile_cannot_be_saved(
         bench = ["--batch-size", "2", "--image-size", "16", "--budget", "1", "--max-workers", "0"]
         assert main(["bench-loader", view, *bench]) == 1
     finally:
-        subprocess.run(["umount", view], check=False)
+        _unmount(view)
     printed = capsys.readouterr()
     assert "chosen: num_workers=0" in printed.out and "verdict:" in printed.out
     line = one_error_line(printed.err)
@@ -476,7 +481,7 @@ def test_a_read_only_dataset_saves_its_profile_in_the_cache(small_dataset, tmp_p
         )
         where = profiles.save_profile(view, mine)
     finally:
-        subprocess.run(["umount", view], check=False)
+        _unmount(view)
     assert where == profiles.cache_file(view) and where.startswith(str(tmp_path / "cache"))
 
 
