@@ -665,3 +665,111 @@ def test_lmdb_grows_a_full_map_and_retries(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(dlpipe.formats.lmdb, "_COMMIT_EVERY_BYTES", 256 << 10)
     path = tiny_dataset(tmp_path, "lmdb", BIG)
     assert [s["txt"] for s in read_all(path)] == [s["txt"] for s in BIG]
+
+
+# ---------------------------------------------------------------- lmdb: crafted tree pages
+
+PAGE = 4096
+
+
+def _pages(body: bytes, flag: int) -> list[int]:
+    """Numbers of the pages whose flags hold `flag` (0x02 leaf, 0x04 overflow)."""
+    return [
+        n
+        for n in range(2, len(body) // PAGE)
+        if struct.unpack_from("=H", body, n * PAGE + 10)[0] & flag == flag
+        and struct.unpack_from("=Q", body, n * PAGE)[0] == n
+    ]
+
+
+def _first_node(body: bytes, leaf: int) -> int:
+    return leaf * PAGE + struct.unpack_from("=H", body, leaf * PAGE + 16)[0]
+
+
+def _bigdata_node(body: bytes, leaf: int) -> int:
+    """The byte offset of the first node on `leaf` whose value lives on overflow pages."""
+    lower = struct.unpack_from("=H", body, leaf * PAGE + 12)[0]
+    for i in range((lower - 16) // 2):
+        node = leaf * PAGE + struct.unpack_from("=H", body, leaf * PAGE + 16 + 2 * i)[0]
+        if struct.unpack_from("=H", body, node + 4)[0] == 1:
+            return node
+    raise AssertionError("no value on overflow pages")
+
+
+def _poke(offset: Callable[[bytes], int], fmt: str, value: int) -> Callable[[bytes], bytes]:
+    def poke(body: bytes) -> bytes:
+        out = bytearray(body)
+        struct.pack_into(fmt, out, offset(body), value)
+        return bytes(out)
+
+    return poke
+
+
+def _leaf(body: bytes) -> int:
+    return _pages(body, 0x02)[0]
+
+
+LMDB_TREE_HOSTILE = {
+    "node-pointer-past-the-page": (
+        _poke(lambda b: _leaf(b) * PAGE + 16, "=H", 0xFFF0),
+        "points to a node at byte 65520",
+    ),
+    "node-data-size-overruns-the-page": (
+        _poke(lambda b: _first_node(b, _leaf(b)), "=H", 0xFFFF),
+        "that overruns it",
+    ),
+    "leaf-marked-as-branch": (
+        _poke(lambda b: _leaf(b) * PAGE + 10, "=H", 0x01),
+        "is not a leaf",
+    ),
+    "page-bounds-inverted": (
+        _poke(lambda b: _leaf(b) * PAGE + 12, "=H", 4000),
+        "is not a leaf",
+    ),
+    "duplicate-data-node": (
+        _poke(lambda b: _first_node(b, _leaf(b)) + 4, "=H", 0x04),
+        "node with flags 0x4",
+    ),
+    "overflow-value-past-the-file": (
+        _poke(lambda b: _bigdata_node(b, _leaf(b)) + 8 + 8, "=Q", 10_000),
+        "starts at page 10000, outside the file",
+    ),
+    "overflow-pages-past-the-file": (
+        _poke(lambda b: _pages(b, 0x04)[0] * PAGE + 12, "=I", 10_000),
+        "runs past the file",
+    ),
+    "overflow-value-larger-than-its-pages": (
+        _poke(lambda b: _bigdata_node(b, _leaf(b)), "=H", 0xFFFF),
+        "overruns its",
+    ),
+}
+
+WITH_BIG_VALUE = [*TINY[:3], {"__key__": "s3", "cls": b"0", "txt": bytes(range(256)) * 40}]
+
+
+@pytest.mark.parametrize("case", sorted(LMDB_TREE_HOSTILE))
+def test_crafted_lmdb_tree_page_is_a_named_error_not_a_crash(case, tmp_path) -> None:
+    patch, message = LMDB_TREE_HOSTILE[case]
+    path = tiny_dataset(tmp_path, "lmdb", WITH_BIG_VALUE)
+    shard = first_shard(path)
+    shard.write_bytes(patch(shard.read_bytes()))
+    resync_manifest(path)
+    outcome = in_bounded_child(lambda: read_all(path))
+    assert outcome.startswith(f"ShardCorruptError: shard {shard}, sample 0: cannot be opened")
+    assert message in outcome, outcome
+
+
+@pytest.mark.slow
+def test_flipping_any_byte_of_a_leaf_page_head_never_kills_the_reader(tmp_path) -> None:
+    """The first 160 bytes of the leaf: page header, node pointers and the first nodes."""
+    path = tiny_dataset(tmp_path, "lmdb", WITH_BIG_VALUE)
+    shard = first_shard(path)
+    body = shard.read_bytes()
+    leaf = _leaf(body) * PAGE
+    nodes = _first_node(body, _leaf(body))
+    for pos in [*range(leaf, leaf + 48), *range(nodes, nodes + 112)]:
+        flipped = bytearray(body)
+        flipped[pos] ^= 0xFF
+        shard.write_bytes(flipped)
+        outcome = in_bounded_child(lambda: read_all(path), timeout_s=10)  # a signal fails here
+        assert outcome == "ok" or outcome.startswith("ShardCorruptError: "), (pos, outcome)
