@@ -288,7 +288,8 @@ def _full_reason(exc: OSError, out: str) -> str:
     if isinstance(exc, OutputFullError):
         return str(exc)
     what = os.path.basename(str(exc.filename)) if exc.filename else "the output"
-    return f"{out}: the disk filled up while writing {what} ({exc.strerror or exc})"
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    return f"{out}: the disk filled up while writing {what} ({reason})"
 
 
 def _run(

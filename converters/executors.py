@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -18,12 +19,16 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
+from dlpipe import storage
 from dlpipe.converters.plan import ShardTask
 from dlpipe.converters.source import Source
-from dlpipe.converters.worker import TaskResult, WorkerConfig, write_task
+from dlpipe.converters.worker import OutputFullError, TaskResult, WorkerConfig, write_task
 from dlpipe.errors import DlpipeError
 
-__all__ = ["EngineError", "run_local", "run_ray"]
+__all__ = ["EngineError", "run_local", "run_ray", "worker_init"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_FULL_BYTES = 1 << 20  # less free than this after a worker died: the disk filled up
 
 
 class EngineError(DlpipeError, RuntimeError):
@@ -52,20 +57,33 @@ def run_local(
             while pending:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
-                    yield _local_result(future)
+                    yield future.result()
+        except BrokenProcessPool:
+            pending = set()  # the broken pool fails every future itself; a cancel races it
+            raise _worker_died(config.out) from None
         finally:
             for future in pending:
                 future.cancel()
 
 
-def _local_result(future: Future[TaskResult]) -> TaskResult:
+def _worker_died(out: str) -> DlpipeError:
+    if _nearly_full(out):  # a C library (HDF5) may crash on a full disk instead of raising
+        return OutputFullError(
+            f"{out}: the disk filled up while writing a shard (its worker process died)"
+        )
+    return EngineError(
+        "a conversion worker process died (killed, or out of memory) before its shard was "
+        "finished; the finished shards are kept"
+    )
+
+
+def _nearly_full(out: str) -> bool:
+    if storage.is_url(out):
+        return False
     try:
-        return future.result()
-    except BrokenProcessPool:
-        raise EngineError(
-            "a conversion worker process died (killed, or out of memory) before its shard "
-            "was finished; the finished shards are kept"
-        ) from None
+        return shutil.disk_usage(storage.existing_ancestor(out)).free < _FULL_BYTES
+    except OSError:
+        return False
 
 
 def worker_init(parent_pid: int) -> None:
@@ -93,9 +111,6 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # no prctl: the watcher thread still ends the worker
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _watch_parent(parent_pid: int) -> None:

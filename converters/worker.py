@@ -8,6 +8,7 @@ retry after a crash, writes the same bytes.
 from __future__ import annotations
 
 import errno
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ def write_task(source: Source, task: ShardTask, config: WorkerConfig) -> TaskRes
             raise
         raise OutputFullError(
             f"{config.out}: the disk filled up while writing shard {task.name} "
-            f"({exc.strerror or exc})"
+            f"({os.strerror(errno.ENOSPC) if exc.errno else exc})"
         ) from None
     return result
 

@@ -282,7 +282,7 @@ def owned_shards(out: str) -> tuple[set[str], str | None]:
             manifest = read_manifest(out)
             names.update(s.name for split in manifest.splits.values() for s in split.shards)
         except (DlpipeError, OSError, ValueError, RecursionError) as exc:
-            unreadable = str(exc)
+            unreadable = str(exc).split("; ")[0]  # the reason; the reader's fix is not ours
     for entry in storage.listdir(storage.join(out, JOURNAL_DIR)):
         stem, suffix = os.path.splitext(entry)
         if suffix in (_INTENT_SUFFIX, ".json"):
@@ -333,8 +333,9 @@ def _refuse_foreign(
     if unreadable is not None and shard_like:
         raise OutputExistsError(
             f"{out}: the old manifest cannot be read ({unreadable}), so --overwrite cannot tell "
-            f"which files there dlpipe wrote; nothing was deleted, and {_some(shard_like)} "
-            "remain: delete the old dataset's files yourself, or choose another --out"
+            f"which files there dlpipe wrote; nothing was deleted, and {len(shard_like)} "
+            f"shard-named files remain ({_some(shard_like)}): delete the old dataset's files "
+            "yourself, or choose another --out"
         )
     clashes = [n for n in planned if n in foreign]
     if clashes:
