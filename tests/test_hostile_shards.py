@@ -773,3 +773,9 @@ def test_flipping_any_byte_of_a_leaf_page_head_never_kills_the_reader(tmp_path) 
         shard.write_bytes(flipped)
         outcome = in_bounded_child(lambda: read_all(path), timeout_s=10)  # a signal fails here
         assert outcome == "ok" or outcome.startswith("ShardCorruptError: "), (pos, outcome)
+
+
+def test_a_field_named_like_an_offsets_dataset_still_reads(tmp_path) -> None:
+    samples = [{"__key__": f"s{i}", "cls": b"1", "x.offsets": b"abc" * i} for i in range(3)]
+    path = tiny_dataset(tmp_path, "hdf5", samples)
+    assert [s["x.offsets"] for s in read_all(path)] == [s["x.offsets"] for s in samples]

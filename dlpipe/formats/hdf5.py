@@ -105,11 +105,8 @@ class _OpenShard:
             if self.fileobj is None:  # the file HDF5 opened is the regular file checked at open
                 reader.check_same_file(os.fstat(self.file.id.get_vfd_handle()))
             self.datasets = _checked_datasets(self.file, reader)
-            self.offsets = {
-                n: _checked_offsets(n, self.datasets, reader)
-                for n in self.datasets
-                if n != _INT_FIELD and not n.endswith(_OFFSETS)
-            }
+            blobs = [n for n in (KEY_FIELD, *reader.fields) if n != _INT_FIELD]
+            self.offsets = {n: _checked_offsets(n, self.datasets, reader) for n in blobs}
             labels = self.datasets.get(_INT_FIELD)
             self.labels = labels[:] if labels is not None else None
             # where each sample ends in all blobs together, to size sequential reads
