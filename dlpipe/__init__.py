@@ -19,7 +19,13 @@ from dlpipe.errors import (
     UnsafeMemberError,
     UnsupportedStorageError,
 )
-from dlpipe.formats import FORMATS, get_format, write_shard
+from dlpipe.formats import (
+    FORMATS,
+    ShardDiskFullError,
+    UnsafeShardError,
+    get_format,
+    write_shard,
+)
 from dlpipe.formats.writer import DatasetWriter, ShardLimits
 from dlpipe.inspection import describe_dataset
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
@@ -65,12 +71,14 @@ __all__ = [
     "Sample",
     "ShardCorruptError",
     "ShardCountError",
+    "ShardDiskFullError",
     "ShardInfo",
     "ShardLimits",
     "SplitInfo",
     "SplitTooSmallError",
     "StreamDataset",
     "UnsafeMemberError",
+    "UnsafeShardError",
     "UnsupportedStorageError",
     "VerifyReport",
     "__version__",
