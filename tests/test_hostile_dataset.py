@@ -19,11 +19,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import lmdb
+import msgpack
 import pytest
 from conftest import FORMAT_NAMES, write_dataset
 
 import dlpipe
 from dlpipe.cli import main
+from dlpipe.dataset import DatasetChangedError
 
 Edit = Callable[[dict], object]
 
@@ -333,6 +336,7 @@ def test_verify_names_the_crafted_lmdb_shard_and_survives(tmp_path, samples, cap
     """Through dlpipe the crafted page is either refused by the reader or contained by verify:
     either way the shard is named, the next one is checked and the command exits 1."""
     path, shard = lmdb_crash_dataset(tmp_path, samples)
+    before = sorted(os.listdir(path))
     report = dlpipe.verify_dataset(path, decode=True)
     assert report.shards_checked == 3
     (problem,) = report.problems
@@ -342,7 +346,7 @@ def test_verify_names_the_crafted_lmdb_shard_and_survives(tmp_path, samples, cap
     assert main(["verify", path, "--decode"]) == 1
     out = capsys.readouterr()
     assert f"train/{shard.name}" in out.out and "Traceback" not in out.out + out.err
-    assert sorted(os.listdir(path)) == ["dlpipe.json", *(f"train-00000{i}.lmdb" for i in range(3))]
+    assert sorted(os.listdir(path)) == before
 
 
 CRASHING_READER = """
@@ -484,3 +488,174 @@ def test_verify_never_reads_a_shard_that_is_not_a_regular_file(kind, make_datase
     assert len(problems) == 1
     assert "not a regular file" in problems[0].message or "outside" in problems[0].message
     assert report.shards_checked == 5
+
+
+# --- 4. labels and keys checked on read ---------------------------------------------------------
+
+
+def labelled(tmp_path: Path, fmt: str, samples: list[dict], labels: dict[int, bytes]) -> str:
+    """A dataset whose `labels` (index -> cls bytes) lie outside the classes it names.
+
+    Written without class names (the writer range-checks labels against them), then given
+    three, as a hand-edited or hostile manifest would.
+    """
+    items = [dict(s, cls=labels.get(i, b"1")) for i, s in enumerate(samples[:16])]
+    limits = dlpipe.ShardLimits(max_shard_samples=8)
+    with dlpipe.DatasetWriter(out=str(tmp_path / fmt), format=fmt, limits=limits) as writer:
+        for item in items:
+            writer.write("train", item)
+    path = str(tmp_path / fmt)
+    save(path, {**load(path), "classes": ["a", "b", "c"]})
+    return path
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize("label", [b"99", b"-1", b"3"])
+def test_out_of_range_label_is_a_named_read_error(fmt, label, tmp_path, samples) -> None:
+    path = labelled(tmp_path, fmt, samples, {11: label})
+    report = dlpipe.verify_dataset(path, decode=True)
+    (problem,) = report.problems
+    assert (problem.shard, problem.sample) == (f"train-000001{dlpipe.FORMATS[fmt].suffix}", 3)
+    assert f"cls={label!r}, outside 0..2" in problem.message
+    where = rf"train-000001\.\w+, sample 3: .*cls={re.escape(repr(label))}, outside 0\.\.2"
+    ds = dlpipe.open_dataset(path)
+    if isinstance(ds, dlpipe.MapDataset):
+        assert ds[10]["cls"] == b"1"
+        with pytest.raises(dlpipe.ShardCorruptError, match=where):
+            ds[11]
+    with pytest.raises(dlpipe.ShardCorruptError, match=where):
+        list(ds)
+    loader = dlpipe.make_loader(
+        path, "train", batch_size=4, transform=None, num_workers=0, shuffle=False, profile=None
+    )
+    with pytest.raises(dlpipe.ShardCorruptError, match=where):
+        list(loader)
+
+
+def test_unlabelled_dataset_has_no_range_check(tmp_path, samples) -> None:
+    path = labelled(tmp_path, "hdf5", samples, {2: b"99"})
+    save(path, {**load(path), "classes": []})
+    assert dlpipe.verify_dataset(path, decode=True).ok
+    assert dlpipe.open_dataset(path)[2]["cls"] == b"99"
+
+
+def test_lmdb_key_breaking_the_key_rule_is_a_named_read_error(tmp_path, samples) -> None:
+    path = write_dataset(tmp_path / "d", "lmdb", {"train": samples[:8]})
+    shard = Path(path, "train-000000.lmdb")
+    env = lmdb.open(str(shard), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        value = msgpack.packb({**samples[5], "__key__": "../../etc/passwd"}, use_bin_type=True)
+        txn.put(struct.pack(">Q", 5), value)
+    env.close()
+    resync(path)
+    report = dlpipe.verify_dataset(path, decode=True)
+    (problem,) = report.problems
+    assert (problem.shard, problem.sample) == ("train-000000.lmdb", 5)
+    assert "'../../etc/passwd' is not allowed" in problem.message
+    with pytest.raises(dlpipe.ShardCorruptError, match="train-000000.lmdb, sample 5: .*passwd"):
+        dlpipe.open_dataset(path)[5]
+
+
+# --- 5. a dataset replaced while it is read ------------------------------------------------------
+
+
+def overwrite(path: str, fmt: str, samples: list[dict]) -> None:
+    """What `dlpipe convert --overwrite` does: the old manifest goes, new shards, new manifest."""
+    limits = dlpipe.ShardLimits(max_shard_samples=8)
+    writer = dlpipe.DatasetWriter(out=path, format=fmt, overwrite=True, limits=limits)
+    with writer:
+        for sample in samples:
+            writer.write("train", sample)
+
+
+def first_sample(ds: dlpipe.MapDataset | dlpipe.StreamDataset, shard: int = 0) -> dict:
+    if isinstance(ds, dlpipe.MapDataset):
+        return ds[shard * 8]
+    return next(iter(ds.readers[shard]))
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_overwrite_under_a_live_dataset_is_a_named_error(fmt, make_dataset, samples) -> None:
+    path = make_dataset(fmt)
+    ds = dlpipe.open_dataset(path)
+    assert first_sample(ds) == samples[0]
+    overwrite(path, fmt, samples[8:40])  # other samples, the same number of shards
+    with pytest.raises(DatasetChangedError, match=f"{path} was replaced.*train-000002"):
+        first_sample(ds, 2)
+    with pytest.raises(DatasetChangedError):
+        list(ds)
+    fresh = dlpipe.open_dataset(path)
+    assert first_sample(fresh, 2) == samples[24]
+
+
+def test_equal_sized_replaced_shard_is_never_read_under_the_old_manifest(
+    make_dataset, samples
+) -> None:
+    path = make_dataset("hdf5")
+    ds = dlpipe.open_dataset(path)
+    assert ds[0] == samples[0]
+    shard = Path(path, "train-000002.h5")
+    body = bytearray(shard.read_bytes())
+    at = body.index(samples[17]["txt"])
+    body[at : at + 6] = b"SAMPLE"  # same size: the size check alone cannot tell
+    shard.write_bytes(bytes(body))
+    resync(path)
+    with pytest.raises(DatasetChangedError, match="train-000002.h5"):
+        ds[17]
+
+
+def test_removed_manifest_under_a_live_dataset_is_a_named_error(make_dataset) -> None:
+    path = make_dataset("lmdb")
+    ds = dlpipe.open_dataset(path)
+    ds[0]
+    manifest_path(path).unlink()  # an overwrite starting
+    with pytest.raises(DatasetChangedError, match="replaced or removed"):
+        ds[20]
+
+
+def test_a_touched_or_identical_manifest_is_not_a_change(make_dataset, samples) -> None:
+    path = make_dataset("wds")
+    ds = dlpipe.open_dataset(path)
+    first_sample(ds)
+    body = manifest_path(path).read_bytes()
+    manifest_path(path).unlink()
+    manifest_path(path).write_bytes(body)  # another inode, the same bytes
+    os.utime(manifest_path(path), ns=(1, 1))
+    assert list(ds) == samples[:32]
+
+
+def test_workers_carry_the_manifest_stamp(make_dataset, samples) -> None:
+    """Spawned workers get the dataset pickled: the stamp goes with it and is checked there."""
+    import pickle
+
+    path = make_dataset("hdf5")
+    ds = dlpipe.open_dataset(path)
+    assert ds[0] == samples[0]
+    copy = pickle.loads(pickle.dumps(ds))
+    overwrite(path, "hdf5", samples[8:40])
+    with pytest.raises(DatasetChangedError):
+        copy[0]  # a new process (here: a new object) opens the shard anew
+
+
+def test_forked_loader_workers_refuse_a_replaced_dataset(make_dataset, samples) -> None:
+    path = make_dataset("lmdb")
+    loader = dlpipe.make_loader(
+        path,
+        "train",
+        batch_size=4,
+        transform=None,
+        num_workers=1,
+        shuffle=False,
+        profile=None,
+        multiprocessing_context="fork",
+    )
+    batches = iter(loader)
+    try:
+        assert [s["__key__"] for s in next(batches)] == [s["__key__"] for s in samples[:4]]
+        overwrite(path, "lmdb", samples[8:40])
+        with pytest.raises(DatasetChangedError, match="replaced"):
+            list(batches)
+    finally:
+        # the workers ignore SIGTERM, so multiprocessing's exit hook cannot stop them: the
+        # iterator that raised (kept alive by the traceback) must shut them down itself
+        batches._shutdown_workers()  # type: ignore[attr-defined]
