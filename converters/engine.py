@@ -18,7 +18,7 @@ from typing import Any
 
 from dlpipe import storage
 from dlpipe.codecs import field_type
-from dlpipe.converters.executors import EngineError, run_local, run_ray
+from dlpipe.converters.executors import WorkerDiedError, run_local, run_ray
 from dlpipe.converters.images import ImagePolicy
 from dlpipe.converters.journal import Journal, ResumeError
 from dlpipe.converters.plan import Plan, make_plan
@@ -262,7 +262,9 @@ def convert(
 
     Raises:
         SourceError, SampleError (``--on-error fail``), OutputExistsError, ResumeError,
-        DiskSpaceError, UnsupportedStorageError: each with the fix in its message.
+        DiskSpaceError, UnsupportedStorageError, OutputInsideRawError, OutputLockedError
+        (another writer holds `out`), OutputFullError (the disk filled up while writing),
+        WorkerDiedError: each with the fix in its message.
     """
     start = time.perf_counter()
     planned = plan_conversion(config)
@@ -270,11 +272,9 @@ def convert(
     try:
         with storage.output_lock(planned.worker.out):
             return _run(config, planned, start, on_start, on_progress)
-    except EngineError as exc:
-        raise EngineError(f"{exc}; finish the conversion with `{resume}`") from None
+    except WorkerDiedError as exc:
+        raise WorkerDiedError(f"{exc}; finish the conversion with `{resume}`") from None
     except OSError as exc:
-        if isinstance(exc, DlpipeError) and not isinstance(exc, OutputFullError):
-            raise
         if not is_disk_full(exc):
             raise
         raise OutputFullError(

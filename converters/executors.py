@@ -25,7 +25,7 @@ from dlpipe.converters.source import Source
 from dlpipe.converters.worker import OutputFullError, TaskResult, WorkerConfig, write_task
 from dlpipe.errors import DlpipeError
 
-__all__ = ["EngineError", "run_local", "run_ray", "worker_init"]
+__all__ = ["EngineError", "WorkerDiedError", "run_local", "run_ray", "worker_init"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _FULL_BYTES = 1 << 20  # less free than this after a worker died: the disk filled up
@@ -33,6 +33,10 @@ _FULL_BYTES = 1 << 20  # less free than this after a worker died: the disk fille
 
 class EngineError(DlpipeError, RuntimeError):
     """The engine cannot run (e.g. Ray is not installed or not reachable)."""
+
+
+class WorkerDiedError(EngineError):
+    """A worker process died (killed, out of memory, a crash) before its shard was finished."""
 
 
 def run_local(
@@ -59,11 +63,11 @@ def run_local(
                 for future in done:
                     yield future.result()
         except BrokenProcessPool:
-            pending = set()  # the broken pool fails every future itself; a cancel races it
             raise _worker_died(config.out) from None
         finally:
-            for future in pending:
-                future.cancel()
+            # the pool's own thread cancels what has not started: a future cancelled from
+            # here races a worker crash in Python 3.11 (InvalidStateError, gh-107219)
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _worker_died(out: str) -> DlpipeError:
@@ -71,7 +75,7 @@ def _worker_died(out: str) -> DlpipeError:
         return OutputFullError(
             f"{out}: the disk filled up while writing a shard (its worker process died)"
         )
-    return EngineError(
+    return WorkerDiedError(
         "a conversion worker process died (killed, or out of memory) before its shard was "
         "finished; the finished shards are kept"
     )

@@ -554,6 +554,7 @@ def _fill_after_the_check(monkeypatch, disk: Path, leave_bytes: int) -> None:
     monkeypatch.setattr(engine, "check_disk", check_then_fill)
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize(("fmt", "workers"), [("wds", 1), ("hdf5", 2), ("lmdb", 1)])
 def test_disk_full_is_one_error_and_resume_finishes(
     tmp_path, small_disk, monkeypatch, capsys, fmt, workers
