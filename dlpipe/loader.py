@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import os
 import signal
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -159,13 +160,30 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
-    """A worker ignores SIGINT, SIGTERM and SIGHUP: Ctrl-C, Slurm, systemd and a closed
-    terminal signal the whole process group, and the main process decides (the trainer
-    checkpoints first); a worker killed under it would only break the next fetch. The signals
-    were blocked when the worker started (`_StopSafeLoader`), so none slips in before this."""
-    for signum in STOP_SIGNALS:
+    """A worker ignores SIGINT, SIGHUP and every SIGTERM but its parent's: Ctrl-C, Slurm,
+    systemd and a closed terminal signal the whole process group, and the main process decides
+    (the trainer checkpoints first); a worker killed under it would only break the next fetch.
+
+    The signals were blocked when the worker started (`_StopSafeLoader`), so none slips in
+    before this. SIGTERM stays blocked and a thread takes each one (``sigwaitinfo``): from the
+    parent (``multiprocessing``'s terminate at shutdown) it ends the worker, from anyone else it
+    is dropped. Without ``sigwaitinfo`` (macOS) only SIGINT and SIGHUP are ignored.
+    """
+    for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGHUP))
+    if not hasattr(signal, "sigwaitinfo"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM,))
+        return
+    parent = os.getppid()
+    threading.Thread(target=_take_sigterm, args=(parent,), daemon=True).start()
+
+
+def _take_sigterm(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent or os.getppid() != parent:
+            os._exit(0)  # the main process ends its workers (or it is gone): leave
 
 
 @contextlib.contextmanager

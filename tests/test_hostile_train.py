@@ -389,19 +389,24 @@ def test_a_loader_state_from_another_worker_count_is_a_named_error(colours) -> N
     other.close()
 
 
-def test_loader_workers_ignore_stop_signals_and_close_ends_them(colours) -> None:
+def test_loader_workers_ignore_stop_signals_from_others_and_end_on_their_parents(colours):
     before = set(children(os.getpid()))
     loader = dlpipe.make_loader(colours, batch_size=8, image_size=16, num_workers=2)
     batches = iter(loader)
     next(batches)
     workers = sorted(set(children(os.getpid())) - before)
     assert len(workers) == 2
-    for pid in workers:  # what killpg does to them
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            os.kill(pid, signum)
+    for pid in workers:  # what killpg from Slurm, systemd or a terminal does to them
+        for name in ("TERM", "INT", "HUP"):
+            subprocess.run(["kill", f"-{name}", str(pid)], check=True)
     time.sleep(0.3)
     assert all(map(alive, workers))
     assert sum(len(labels) for _, labels in batches) == 96 - 8
+    os.kill(workers[0], signal.SIGTERM)  # the parent's own: multiprocessing's terminate at exit
+    deadline = time.monotonic() + 5
+    while alive(workers[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(workers[0])
     loader.close()
     assert not set(children(os.getpid())) - before  # ended and reaped, no zombie left
 

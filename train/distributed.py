@@ -132,7 +132,8 @@ class Distributed:
             except (DlpipeError, OSError) as exc:
                 failure = exc
         if self.enabled:
-            shared = None if failure is not None else (share or _same)(result)
+            ok = self.is_main and failure is None
+            shared = (share or _same)(result) if ok else None
             message = None if failure is None else (type(failure), str(failure))
             shared, message = self.broadcast((shared, message), what=what)
             if message is not None and failure is None:
