@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 
 from rich.console import Console
 from rich.markup import escape
@@ -26,7 +25,7 @@ from dlpipe.converters.worker import TaskResult
 from dlpipe.formats import FORMATS
 from dlpipe.inspection import format_bytes
 
-__all__ = ["add_convert_parser", "parse_size", "resume_command", "run_convert"]
+__all__ = ["add_convert_parser", "parse_size", "run_convert"]
 
 _UNITS = {
     "": 1,
@@ -153,34 +152,9 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
     try:
         result = _convert_with_progress(config, console)
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted; finish with: {resume_command(config)}") from None
+        raise Interrupted(f"interrupted; finish with: {config.command('--resume')}") from None
     _summary(result, console)
     return 0
-
-
-def resume_command(config: ConvertConfig) -> str:
-    """The ``dlpipe convert ... --resume`` line that finishes `config`'s conversion.
-
-    It repeats every option that shapes the output (a resume with other options is refused).
-    """
-    words = ["dlpipe", "convert", config.raw, "--to", config.to, "--out", config.output()]
-    given = [
-        ("--source", config.source, "auto"),
-        ("--image-col", config.image_col, None),
-        ("--label-col", config.label_col, None),
-        ("--shard-size", config.shard_bytes, None),
-        ("--max-side", config.max_side, None),
-        ("--quality", config.quality, 95),
-        ("--val-fraction", config.val_fraction, None),
-        ("--seed", config.seed, 0),
-        ("--on-error", config.on_error, "skip"),
-        ("--engine", config.engine, "local"),
-        ("--ray-address", config.ray_address, None),
-    ]
-    for flag, value, default in given:
-        if value != default:
-            words += [flag, str(value)]
-    return shlex.join([*words, "--resume"])
 
 
 def _convert_with_progress(config: ConvertConfig, console: Console) -> ConvertResult:
