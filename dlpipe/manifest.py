@@ -164,7 +164,7 @@ def read_manifest_bytes(folder: str) -> bytes:
     path = storage.join(folder, MANIFEST_NAME)
     try:
         if storage.size(path) > MAX_MANIFEST_BYTES:
-            raise ManifestError(_too_large(path))
+            raise _too_large(path)
         if storage.is_url(path):
             with storage.open_read(path) as f:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)
@@ -173,7 +173,7 @@ def read_manifest_bytes(folder: str) -> bytes:
     except FileNotFoundError:
         raise ManifestNotFoundError(_missing_message(folder)) from None
     if len(raw) > MAX_MANIFEST_BYTES:
-        raise ManifestError(_too_large(path))
+        raise _too_large(path)
     return raw
 
 
@@ -185,10 +185,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         _check_depth(data)
         manifest = _parse(data)
     except (KeyError, TypeError, ValueError) as exc:
-        raise ManifestError(
-            f"{path} is not a valid dlpipe manifest: {_describe(exc)}; re-run the conversion "
-            "(dlpipe convert ... --overwrite) or restore the file"
-        ) from exc
+        raise _refused(path, f" is not a valid dlpipe manifest: {_describe(exc)}") from exc
     from dlpipe.formats import get_format  # formats build on this module
 
     try:
@@ -198,10 +195,8 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     for split, info in manifest.splits.items():
         for shard in info.shards:
             if not shard.name.endswith(fmt.suffix):
-                raise ManifestError(
-                    f"{path}: shard {shard.name!r} of split {split!r} is not a {fmt.name} shard "
-                    f"name (ending in {fmt.suffix}); re-run the conversion or restore the file"
-                )
+                what = f"is not a {fmt.name} shard name (ending in {fmt.suffix})"
+                raise _refused(path, f": shard {shard.name!r} of split {split!r} {what}")
     return manifest
 
 
@@ -210,41 +205,36 @@ def _read_regular_file(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ManifestError(
-                f"{path} is not a regular file (a FIFO, device or folder); a manifest is a "
-                "plain JSON file: restore it or re-run the conversion"
-            )
+            raise _refused(path, " is not a regular file (a FIFO, device or folder)")
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read(MAX_MANIFEST_BYTES + 1)
     finally:
         os.close(fd)
 
 
-def _too_large(path: str) -> str:
-    return (
-        f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB, the most a manifest may be "
-        "(one of 10,000 shards is about 2 MB); it is not a dlpipe manifest: restore it or "
-        "re-run the conversion"
+def _refused(path: str, what: str) -> ManifestError:
+    return ManifestError(
+        f"{path}{what}; re-run the conversion (dlpipe convert ... --overwrite) or restore the file"
     )
+
+
+def _too_large(path: str) -> ManifestError:
+    size = f"larger than {MAX_MANIFEST_BYTES >> 20} MiB, the most a manifest may be"
+    return _refused(path, f" is {size} (one of 10,000 shards is about 2 MB)")
 
 
 def _load_json(raw: bytes, path: str) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ManifestError(
-            f"{path} is not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-            "re-run the conversion or restore the file"
-        ) from None
+        where = f"byte 0x{raw[exc.start]:02x} at offset {exc.start}"
+        raise _refused(path, f" is not UTF-8 ({where})") from None
     try:
         return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
     except RecursionError:
-        raise ManifestError(
-            f"{path} is nested deeper than {MAX_JSON_DEPTH} levels; it is not a dlpipe "
-            "manifest: re-run the conversion or restore the file"
-        ) from None
+        raise _refused(path, f" is nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as exc:
-        raise ManifestError(f"{path} is not valid JSON ({exc}); re-run the conversion") from None
+        raise _refused(path, f" is not valid JSON ({exc})") from None
 
 
 def _refuse_constant(name: str) -> Any:
@@ -385,11 +375,10 @@ def _parse_split(name: str, data: Any, num_classes: int) -> SplitInfo:
             data[key] == total and not isinstance(data[key], bool),
             f"split {name!r} says {data[key]!r} {key} but its shards hold {total}",
         )
-    counts = split.class_counts
+    total = sum(split.class_counts or ())
     _require(
-        counts is None or sum(counts) == split.samples,
-        f"split {name!r}: class_counts add up to {sum(counts or ())}, not its {split.samples} "
-        "samples",
+        split.class_counts is None or total == split.samples,
+        f"split {name!r}: class_counts add up to {total}, not its {split.samples} samples",
     )
     return split
 
