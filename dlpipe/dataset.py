@@ -201,6 +201,7 @@ class CheckedReader:
 
     def close(self) -> None:
         self.reader.close()
+        self._opened_in = None  # a reopened shard is checked again
 
 
 Transform = Callable[[Sample], Any]

@@ -659,3 +659,13 @@ def test_forked_loader_workers_refuse_a_replaced_dataset(make_dataset, samples) 
         # the workers ignore SIGTERM, so multiprocessing's exit hook cannot stop them: the
         # iterator that raised (kept alive by the traceback) must shut them down itself
         batches._shutdown_workers()  # type: ignore[attr-defined]
+
+
+def test_a_closed_and_reopened_view_checks_the_manifest_again(make_dataset, samples) -> None:
+    path = make_dataset("lmdb")
+    ds = dlpipe.open_dataset(path)
+    assert ds[0] == samples[0]
+    ds.close()
+    overwrite(path, "lmdb", samples[8:40])
+    with pytest.raises(DatasetChangedError, match="train-000000.lmdb"):
+        ds[0]
