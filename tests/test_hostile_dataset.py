@@ -656,8 +656,8 @@ def test_forked_loader_workers_refuse_a_replaced_dataset(make_dataset, samples) 
         with pytest.raises(DatasetChangedError, match="replaced"):
             list(batches)
     finally:
-        # the workers ignore SIGTERM, so multiprocessing's exit hook cannot stop them: the
-        # iterator that raised (kept alive by the traceback) must shut them down itself
+        # the iterator that raised is kept alive by the traceback: stop its worker now, not
+        # at interpreter exit
         batches._shutdown_workers()  # type: ignore[attr-defined]
 
 
