@@ -669,3 +669,13 @@ def test_a_closed_and_reopened_view_checks_the_manifest_again(make_dataset, samp
     overwrite(path, "lmdb", samples[8:40])
     with pytest.raises(DatasetChangedError, match="train-000000.lmdb"):
         ds[0]
+
+
+def test_a_replaced_dataset_on_object_storage_is_a_named_error(samples) -> None:
+    url = "memory://dlpipe-hostile/replaced"
+    write_dataset(url, "hdf5", {"train": samples[:32]})
+    ds = dlpipe.open_dataset(url)
+    assert ds[0] == samples[0]
+    overwrite(url, "hdf5", samples[8:40])
+    with pytest.raises(DatasetChangedError, match="train-000001.h5"):
+        ds[8]
