@@ -1,9 +1,11 @@
 """`convert`: raw data → a verified, prepared dataset, in parallel, resumable.
 
-Scan the source → plan the shards (deterministic) → check the output and the disk → run the
-shard tasks on an engine, journalling each finished shard → write ``errors.jsonl`` and then
-the manifest, last → remove the journal. A crash at any point leaves no manifest, and
-``--resume`` re-runs only the shards the journal does not hold.
+Scan the source → plan the shards (deterministic) → lock the output (``.dlpipe-lock``, one
+writer per folder) and check it and the disk → run the shard tasks on an engine, journalling
+each finished shard → write ``errors.jsonl`` and ``keys.jsonl`` and then the manifest, last →
+remove the journal. A crash at any point leaves no manifest, and ``--resume`` re-runs only the
+shards the journal does not hold. ``--overwrite`` deletes only what dlpipe can prove it wrote
+(see `dlpipe.formats.writer.prepare_output`); an output inside the raw folder is refused.
 """
 
 from __future__ import annotations
