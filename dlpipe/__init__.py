@@ -4,7 +4,15 @@ The public API is re-exported here; see the README for a tour.
 """
 
 from dlpipe._version import __version__
-from dlpipe.codecs import decode_field, decode_sample, encode_field, field_type
+from dlpipe.codecs import (
+    ImageTooLargeError,
+    PixelLimitError,
+    decode_field,
+    decode_sample,
+    encode_field,
+    field_type,
+    set_max_image_pixels,
+)
 from dlpipe.errors import (
     DlpipeError,
     FieldDecodeError,
@@ -29,12 +37,13 @@ from dlpipe.formats import (
 from dlpipe.formats.writer import DatasetWriter, ShardLimits
 from dlpipe.inspection import describe_dataset
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
-from dlpipe.profile import LoaderProfile, ProfileError, find_profile, save_profile
+from dlpipe.profile import LoaderProfile, ProfileError, ProfileSaveError, find_profile, save_profile
 from dlpipe.sample import Sample, check_key, escape_key, make_key, unescape_key
-from dlpipe.verify import Problem, VerifyReport, verify_dataset
+from dlpipe.verify import CheckerError, Problem, VerifyReport, verify_dataset
 
 # these import torch: only on first use, so the CLI and converters start fast
 _LAZY = {
+    "DatasetChangedError": "dlpipe.dataset",
     "MapDataset": "dlpipe.dataset",
     "StreamDataset": "dlpipe.dataset",
     "open_dataset": "dlpipe.dataset",
@@ -54,10 +63,13 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "FORMATS",
+    "CheckerError",
+    "DatasetChangedError",
     "DatasetWriter",
     "DlpipeError",
     "EpochSampler",
     "FieldDecodeError",
+    "ImageTooLargeError",
     "InvalidFieldError",
     "InvalidKeyError",
     "LoaderProfile",
@@ -66,8 +78,10 @@ __all__ = [
     "ManifestNotFoundError",
     "MapDataset",
     "OutputExistsError",
+    "PixelLimitError",
     "Problem",
     "ProfileError",
+    "ProfileSaveError",
     "Sample",
     "ShardCorruptError",
     "ShardCountError",
@@ -97,6 +111,7 @@ __all__ = [
     "open_dataset",
     "read_manifest",
     "save_profile",
+    "set_max_image_pixels",
     "unescape_key",
     "verify_dataset",
     "write_shard",
