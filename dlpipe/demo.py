@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dlpipe.converters.engine import ConvertConfig, convert
@@ -67,12 +68,14 @@ def run_demo(config: DemoConfig, console: Console) -> int:
     """Run the demo; returns the process exit code (0 when every step succeeded)."""
     out = config.out
     _prepare(out)
-    console.print(f"dlpipe demo → {os.path.abspath(out)}")
+    console.print(f"dlpipe demo → {escape(os.path.abspath(out))}")
     raw, train_samples = _generate(config, console)
     conversions, ok = _convert_all(config, raw, console)
     console.print(conversions)
     if not ok or config.epochs == 0:
-        console.print(f"inspect any of them: dlpipe inspect {os.path.join(out, 'shapes-wds')}")
+        console.print(
+            f"inspect any of them: dlpipe inspect {escape(os.path.join(out, 'shapes-wds'))}"
+        )
         return 0 if ok else 1
     data = os.path.join(out, f"shapes-{TRAIN_FORMAT}")
     if train_samples < 2 * config.batch_size:  # a tiny demo (--per-class): smaller batches
@@ -120,7 +123,7 @@ def _convert_all(config: DemoConfig, raw: str, console: Console) -> tuple[Table,
             "ok" if report.ok else f"{len(report.problems)} problems",
         )
         for problem in report.problems:
-            console.print(f"[red]{problem}[/red]")
+            console.print(f"[red]{escape(str(problem))}[/red]")
     console.print("2/4 converted to every format (dlpipe convert) and verified every shard")
     return table, ok
 
@@ -143,7 +146,7 @@ def _tune(config: DemoConfig, data: str, console: Console) -> Any:
     console.print(
         f"3/4 tuned the loader (dlpipe bench-loader): num_workers={best.num_workers} "
         f"prefetch_factor={best.prefetch_factor} pin_memory={best.pin_memory}, "
-        f"{best.samples_per_s:.0f} samples/s; saved to {saved}"
+        f"{best.samples_per_s:.0f} samples/s; saved to {escape(str(saved))}"
     )
     return report
 
@@ -174,7 +177,7 @@ def _train(config: DemoConfig, data: str, console: Console) -> Any:
             },
         },
     )
-    console.print(f"4/4 training {config.model} for {config.epochs} epochs (dlpipe train)")
+    console.print(f"4/4 training {escape(config.model)} for {config.epochs} epochs (dlpipe train)")
     trainer = Trainer(train_config, console, show_config=False)
     try:
         return trainer.fit()
