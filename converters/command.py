@@ -77,6 +77,11 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image-col", help="table column holding image paths or bytes")
     p.add_argument("--label-col", help="table column holding labels (names or integers)")
     p.add_argument(
+        "--keep-empty-classes",
+        action="store_true",
+        help="keep class folders without images as classes with no samples (else refused)",
+    )
+    p.add_argument(
         "--shard-size",
         type=parse_size,
         help="target bytes per shard (e.g. 256MB; "
@@ -128,6 +133,7 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
         source=args.source,
         image_col=args.image_col,
         label_col=args.label_col,
+        keep_empty_classes=args.keep_empty_classes,
         shard_bytes=args.shard_size,
         workers=args.workers,
         max_side=args.max_side,

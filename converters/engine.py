@@ -63,6 +63,7 @@ _FLAGS = {  # ConvertConfig field -> the flag that sets it, for the commands hin
     "on_error": "--on-error",
     "engine": "--engine",
     "ray_address": "--ray-address",
+    "keep_empty_classes": "--keep-empty-classes",
 }
 
 
@@ -91,6 +92,7 @@ class ConvertConfig:
     overwrite: bool = False
     engine: str = "local"
     ray_address: str | None = None
+    keep_empty_classes: bool = False
 
     def __post_init__(self) -> None:
         if self.on_error not in ("skip", "fail"):
@@ -114,12 +116,18 @@ class ConvertConfig:
         Every option that shapes the output is in it, so the printed ``--resume`` command
         matches the interrupted run's plan.
         """
-        default = ConvertConfig(raw=self.raw, to=self.to)
         parts = ["dlpipe", "convert", self.raw, "--to", self.to, "--out", self.output()]
+        return shlex.join([*parts, *self.option_args(), action])
+
+    def option_args(self) -> list[str]:
+        """The flags (and values) of every option that differs from its default."""
+        default = ConvertConfig(raw=self.raw, to=self.to)
+        args: list[str] = []
         for name, flag in _FLAGS.items():
-            if getattr(self, name) != getattr(default, name):
-                parts += [flag, str(getattr(self, name))]
-        return shlex.join([*parts, action])
+            value = getattr(self, name)
+            if value != getattr(default, name):
+                args += [flag] if isinstance(value, bool) else [flag, str(value)]
+        return args
 
     def output_options(self, image_field: str, source_kind: str) -> dict[str, Any]:
         """The options that shape the output (recorded in the manifest and the plan)."""
@@ -190,7 +198,11 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     out = config.output()
     require_storage(fmt, out)
     check_out_outside_raw(config)
-    options = SourceOptions(image_col=config.image_col, label_col=config.label_col)
+    options = SourceOptions(
+        image_col=config.image_col,
+        label_col=config.label_col,
+        keep_empty_classes=config.keep_empty_classes,
+    )
     source = open_source(config.raw, config.source, options)
     scan = source.scan()
     if not scan.items:
@@ -307,7 +319,7 @@ def _run(
     pending = [t for t in plan.tasks if t.name not in done]
     check_disk(out, sum(it.size for t in pending for it in t.items))
     if not done:
-        journal.start(plan)
+        journal.start(plan, raw=os.path.abspath(config.raw), args=config.option_args())
     if on_start is not None:
         on_start(plan)
     if config.engine == "ray":

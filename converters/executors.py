@@ -6,6 +6,7 @@ orders them by the plan, so the output does not depend on which one ran.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import multiprocessing
@@ -29,6 +30,7 @@ __all__ = ["EngineError", "WorkerDiedError", "run_local", "run_ray", "worker_ini
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _FULL_BYTES = 1 << 20  # less free than this after a worker died: the disk filled up
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class EngineError(DlpipeError, RuntimeError):
@@ -48,15 +50,17 @@ def run_local(
             yield write_task(source, task, config)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-    with ProcessPoolExecutor(
-        max_workers=min(workers, len(tasks)),
-        mp_context=context,
-        initializer=worker_init,
-        initargs=(os.getpid(),),
-    ) as pool:
+    with _stop_signals_blocked():  # the workers start with them blocked (see worker_init)
+        pool = ProcessPoolExecutor(
+            max_workers=min(workers, len(tasks)),
+            mp_context=context,
+            initializer=worker_init,
+            initargs=(os.getpid(),),
+        )
         pending: set[Future[TaskResult]] = {
             pool.submit(write_task, source, task, config) for task in tasks
         }
+    with pool:
         try:
             while pending:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -101,10 +105,30 @@ def worker_init(parent_pid: int) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked since the spawn: pending ones are dropped
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in this thread while worker processes are spawned.
+
+    A spawned child inherits the signal mask, so a Ctrl-C to the process group while it is
+    still importing (before `worker_init` can ignore it) stays pending instead of printing a
+    KeyboardInterrupt traceback from every worker; this process gets it on leaving the block.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _die_with_parent() -> None:

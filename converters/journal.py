@@ -53,10 +53,18 @@ class Journal:
     def exists(self) -> bool:
         return storage.exists(storage.join(self.folder, _PLAN_NAME))
 
-    def start(self, plan: Plan) -> None:
-        """Record the plan this conversion follows."""
+    def start(self, plan: Plan, raw: str, args: list[str]) -> None:
+        """Record the plan this conversion follows, and its raw folder, format and option
+        flags `args` (from which a reader of the unfinished folder prints the resume command).
+        """
         storage.makedirs(self.folder)
-        data = json.dumps(_plan_record(plan), sort_keys=True, default=str).encode()
+        record = {
+            **_plan_record(plan),
+            "raw": raw,
+            "format": plan.options.get("format"),
+            "args": args,
+        }
+        data = json.dumps(record, sort_keys=True, default=str).encode()
         storage.atomic_write_bytes(storage.join(self.folder, _PLAN_NAME), data)
 
     def check_plan(self, plan: Plan, overwrite_command: str) -> None:

@@ -265,8 +265,8 @@ def _check_depth(data: Any) -> None:
 def _missing_message(folder: str) -> str:
     names = storage.listdir(folder)
     if any(_SHARD_FILE_RE.fullmatch(n) or n.startswith(".dlpipe-") for n in names):
-        raw, fmt = _interrupted_run(folder, names)
-        command = f"dlpipe convert {raw} --to {fmt} --out {shlex.quote(folder)}"
+        raw, fmt, args = _interrupted_run(folder, names)
+        command = f"dlpipe convert {raw} --to {fmt} --out {shlex.quote(folder)}{args}"
         return (
             f"{folder} has no {MANIFEST_NAME}: it is an unfinished conversion (the manifest is "
             f"written last). Finish it with `{command} --resume` (the same raw folder and "
@@ -282,8 +282,46 @@ def _missing_message(folder: str) -> str:
     )
 
 
-def _interrupted_run(folder: str, names: list[str]) -> tuple[str, str]:
-    """(raw folder, format) of the conversion that left `folder` unfinished, as far as known.
+# the options of `dlpipe convert` a resume hint may repeat (the journal is untrusted: a flag
+# outside this list, or a value that is not a short string, drops the recorded options)
+_RESUME_FLAGS = {
+    "--source": 1,
+    "--image-col": 1,
+    "--label-col": 1,
+    "--shard-size": 1,
+    "--max-side": 1,
+    "--quality": 1,
+    "--val-fraction": 1,
+    "--seed": 1,
+    "--on-error": 1,
+    "--engine": 1,
+    "--ray-address": 1,
+    "--keep-empty-classes": 0,
+}
+
+
+def _resume_args(recorded: Any) -> str:
+    """The recorded option flags, quoted, as they go after ``--out``; "" when unusable."""
+    if not isinstance(recorded, list) or len(recorded) > 2 * len(_RESUME_FLAGS):
+        return ""
+    words, position = [], 0
+    while position < len(recorded):
+        flag = recorded[position]
+        if not isinstance(flag, str) or flag not in _RESUME_FLAGS:
+            return ""
+        values = recorded[position + 1 : position + 1 + _RESUME_FLAGS[flag]]
+        if len(values) < _RESUME_FLAGS[flag] or not all(
+            isinstance(v, str) and len(v) < 4096 for v in values
+        ):
+            return ""
+        words += [flag, *values]
+        position += 1 + _RESUME_FLAGS[flag]
+    return "".join(f" {shlex.quote(w)}" for w in words)
+
+
+def _interrupted_run(folder: str, names: list[str]) -> tuple[str, str, str]:
+    """(raw folder, format, option flags) of the conversion that left `folder` unfinished, as
+    far as known.
 
     From the journal's ``plan.json`` when it records them, else the format from the shard
     names the journal and the folder hold. Read defensively: the folder is untrusted.
@@ -298,7 +336,8 @@ def _interrupted_run(folder: str, names: list[str]) -> tuple[str, str]:
         shards = [n.removesuffix(".json") for n in storage.listdir(journal)] + names
         found = {f.name for f in FORMATS.values() for n in shards if n.endswith(f.suffix)}
         fmt = found.pop() if len(found) == 1 else "|".join(sorted(FORMATS))
-    return (shlex.quote(raw) if isinstance(raw, str) and raw else "RAW"), fmt
+    raw = shlex.quote(raw) if isinstance(raw, str) and raw else "RAW"
+    return raw, fmt, _resume_args(plan.get("args"))
 
 
 def _small_json(path: str) -> dict[str, Any]:

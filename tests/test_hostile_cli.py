@@ -235,11 +235,6 @@ def test_ctrl_c_to_the_process_group_is_one_line_and_resumable(tmp_path) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="spawned converter workers print KeyboardInterrupt tracebacks: "
-    "converters/executors.py must start them with SIGINT blocked or ignored",
-)
 def test_ctrl_c_to_the_process_group_with_worker_processes(tmp_path) -> None:
     _interrupt_and_resume(tmp_path, workers=2, to_group=True)
 

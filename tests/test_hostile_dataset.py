@@ -280,6 +280,16 @@ def test_resume_hint_survives_a_hostile_journal(tmp_path, samples) -> None:
     (journal / "plan.json").write_text('{"format": "zip; rm -rf ~", "raw": 3}')
     with pytest.raises(dlpipe.ManifestNotFoundError, match="convert RAW --to hdf5 --out"):
         dlpipe.open_dataset(path)
+    for args, shown in [
+        (["--seed", "1; rm -rf ~"], " --seed '1; rm -rf ~' --resume"),  # quoted, never run
+        (["--overwrite"], f"--out {path} --resume"),  # not an option a resume repeats
+        (["--seed"], f"--out {path} --resume"),  # a flag without its value
+        (["--keep-empty-classes", "--quality", "90"], " --keep-empty-classes --quality 90 --"),
+    ]:
+        (journal / "plan.json").write_text(json.dumps({"format": "hdf5", "args": args}))
+        with pytest.raises(dlpipe.ManifestNotFoundError) as caught:
+            dlpipe.open_dataset(path)
+        assert shown in str(caught.value), str(caught.value)
 
 
 # --- 2. verify survives a reader that crashes the interpreter ------------------------------------

@@ -631,3 +631,21 @@ def test_the_printed_commands_are_complete_and_work(tmp_path, capsys) -> None:
     line = one_error(capsys.readouterr().err)
     overwrite = shlex.split(line.split("run `")[1].split("`")[0])
     assert overwrite[-1] == "--overwrite" and main(overwrite[1:]) == 0
+
+
+def test_an_interrupted_conversion_names_the_command_that_finishes_it(tmp_path) -> None:
+    raw, out = make_raw(tmp_path / "my raw", per_class=4), tmp_path / "out"
+    config = ConvertConfig(raw=str(raw), to="lmdb", out=str(out), workers=1, shard_bytes=1 << 20)
+
+    def stop(result) -> None:
+        raise KeyboardInterrupt  # the first shard is journalled, then the run dies
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.convert(config, on_progress=stop)
+    with pytest.raises(dlpipe.ManifestNotFoundError) as caught:
+        dlpipe.open_dataset(str(out))
+    hint = str(caught.value).split("`")[1]
+    expected = f"dlpipe convert {shlex.quote(str(raw))} --to lmdb --out {out} --shard-size 1048576"
+    assert hint == f"{expected} --resume"
+    assert main(shlex.split(hint)[1:]) == 0
+    assert dlpipe.verify_dataset(str(out)).ok

@@ -246,6 +246,20 @@ def test_empty_class_folder_is_refused_naming_it(tmp_path: Path, capsys) -> None
     assert (raw / "bird" / "notes.txt").exists()
 
 
+def test_the_flag_the_error_names_converts_with_the_empty_class(tmp_path: Path, capsys) -> None:
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    make_raw(raw)
+    (raw / "bird").mkdir()
+    args = ["convert", str(raw), "--to", "wds", "--out", str(out), "--workers", "1"]
+    assert main([*args, "--keep-empty-classes"]) == 0
+    captured = capsys.readouterr()
+    assert "warning:" in captured.err and "bird" in captured.err
+    manifest = dlpipe.read_manifest(str(out))
+    assert manifest.classes == ("bird", "cat", "dog")
+    counts = [s.class_counts for s in manifest.splits.values()]
+    assert all(c is not None and c[0] == 0 for c in counts)
+
+
 def test_keep_empty_classes_keeps_the_label_with_a_warning(tmp_path: Path, caplog) -> None:
     raw = tmp_path / "raw"
     make_raw(raw)
