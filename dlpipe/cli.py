@@ -138,7 +138,7 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
     )
     data = escape(args.data)
     if report.ok:
-        console.print(f"ok: {data}: {what}, every sha256 matches the manifest")
+        console.print(f"ok: {data}: {what}, every sha256 and sample count matches the manifest")
         return 0
     console.print(f"[red]FAILED[/red]: {data}: {len(report.problems)} problems in {what}")
     return 1
