@@ -24,9 +24,8 @@ import signal
 import stat
 import subprocess
 import sys
-import tarfile
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -132,7 +131,7 @@ def check_shard(
     try:
         if decode:
             return _decode_shard(reader, split, len(manifest.classes))
-        return _count_problem(fmt, reader, split), 0
+        return _count_problem(reader, split), 0
     finally:
         reader.close()
 
@@ -252,58 +251,16 @@ def _decode_shard(reader: ShardReader, split: str, num_classes: int) -> tuple[Pr
     return None, index
 
 
-def _count_problem(fmt: ShardFormat, reader: ShardReader, split: str) -> Problem | None:
-    counter = _COUNTERS.get(fmt.name)
-    if counter is None:
-        return None
+def _count_problem(reader: ShardReader, split: str) -> Problem | None:
     try:
-        count = counter(reader)
+        count = reader.count_samples()
     except DlpipeError as exc:
         return Problem(split, reader.info.name, str(exc))
-    except (OSError, tarfile.TarError, EOFError, ValueError) as exc:
-        return Problem(split, reader.info.name, f"cannot be read ({type(exc).__name__}: {exc})")
     return None if count == reader.info.samples else _count_mismatch(split, reader.info, count)
 
 
 def _count_mismatch(split: str, info: ShardInfo, count: int) -> Problem:
     return Problem(split, info.name, f"holds {count} samples but the manifest says {info.samples}")
-
-
-def _count_lmdb(reader: ShardReader) -> int:
-    from dlpipe.formats.lmdb import META_KEY
-
-    env = reader.handle()
-    with env.begin() as txn:
-        has_meta = txn.get(META_KEY) is not None
-    return int(env.stat()["entries"]) - int(has_meta)
-
-
-def _count_hdf5(reader: ShardReader) -> int:
-    # opening checks the offsets against the manifest; the key offsets give the count
-    return len(reader.handle().offsets[KEY_FIELD]) - 1
-
-
-def _count_wds(reader: ShardReader) -> int:
-    reader.handle()  # the size against the manifest
-    count, key = 0, None
-    with storage.open_read(reader.path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-        for member in _members(tar):
-            name_key = member.name.partition(".")[0]
-            count, key = count + (name_key != key), name_key
-    return count
-
-
-def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
-    """Headers only: each member's data is seeked over, never read."""
-    while (member := tar.next()) is not None:
-        yield member
-
-
-_COUNTERS: dict[str, Callable[[ShardReader], int]] = {
-    "lmdb": _count_lmdb,
-    "hdf5": _count_hdf5,
-    "wds": _count_wds,
-}
 
 
 # --- shards checked in child processes -------------------------------------------------------

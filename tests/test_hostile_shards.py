@@ -277,6 +277,18 @@ def test_a_crafted_tar_through_the_cli_is_one_error_line(tmp_path, capsys) -> No
     assert "Traceback" not in captured.out + captured.err
 
 
+@pytest.mark.parametrize("case", sorted(WDS_HOSTILE))
+def test_verify_without_decode_names_every_crafted_tar(case, tmp_path) -> None:
+    """The count check of plain verify reads the headers through the same strict parser."""
+    path = tiny_dataset(tmp_path, "wds")
+    first_shard(path).write_bytes(WDS_HOSTILE[case][0])
+    resync_manifest(path)
+    report = dlpipe.verify_dataset(path, isolate=False)
+    assert not report.ok
+    assert all("crashed" not in str(p) for p in report.problems)
+    assert any(first_shard(path).name in str(p) for p in report.problems)
+
+
 # ---------------------------------------------------------------- hdf5: crafted files
 
 SECRET = b"SECRET-BYTES-FROM-OUTSIDE-THE-DATASET"

@@ -189,6 +189,15 @@ class ShardReader(ABC):
         finally:
             self.close()
 
+    def count_samples(self) -> int:
+        """The samples the shard really holds, by the cheapest read its format allows (a
+        manifest can carry a shard's right sha256 and a wrong count); every open-time check runs.
+
+        Raises:
+            ShardCorruptError: as `check`, or a structure that cannot be counted.
+        """
+        return sum(1 for _ in self)
+
     def _check_file(self) -> None:
         """The shard is a regular file (not a link) of the manifest's size."""
         try:

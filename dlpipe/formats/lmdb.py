@@ -338,6 +338,16 @@ class LmdbReader(ShardReader):
             raise ValueError(f"truncated: its pages need {needed} bytes, the file has fewer")
         return env
 
+    def count_samples(self) -> int:
+        """The environment's entries, less the metadata record."""
+        env = self.handle()
+        try:
+            with env.begin() as txn:
+                has_meta = txn.get(META_KEY) is not None
+            return int(env.stat()["entries"]) - int(has_meta)
+        except lmdb.Error as exc:
+            raise self.corrupt(f"cannot be counted ({exc})") from exc
+
     def get(self, index: int) -> Sample:
         with self.handle(index).begin(buffers=False) as txn:
             try:

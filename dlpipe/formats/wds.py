@@ -16,14 +16,21 @@ pass over it holds at most one member in memory, never more than the file's size
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tarfile
 from collections.abc import Generator, Iterator
 from typing import IO, Any
 
 from dlpipe import storage
-from dlpipe.errors import ShardCorruptError, UnsafeMemberError
-from dlpipe.formats.base import ShardFileWriter, ShardFormat, ShardReader, open_regular_file
+from dlpipe.errors import InvalidFieldError, ShardCorruptError, UnsafeMemberError
+from dlpipe.formats.base import (
+    ShardFileWriter,
+    ShardFormat,
+    ShardReader,
+    check_schema,
+    open_regular_file,
+)
 from dlpipe.sample import Sample, check_field_name, check_key
 
 __all__ = ["WDS"]
@@ -114,23 +121,43 @@ class WdsReader(ShardReader):
 
     def iter_from(self, start: int) -> Generator[Sample, None, None]:
         """Samples from index `start` on; earlier members are seeked over, not read."""
+        position = [start]
+        with self._tar(position) as tar:
+            for key, fields in _group(tar, self, start):
+                yield self.make_sample(position[0], key, fields)
+                position[0] += 1
+        if position[0] != self.info.samples:
+            raise self.corrupt(
+                f"holds {position[0]} samples but the manifest says {self.info.samples}"
+            )
+
+    def count_samples(self) -> int:
+        """From the member headers alone (each one checked); no member data is read."""
+        position = [0]
+        with self._tar(position) as tar:
+            for key, fields in _group(tar, self, read=False):
+                try:
+                    check_schema(key, fields, self.fields)
+                except InvalidFieldError as exc:
+                    raise self.corrupt(str(exc), position[0]) from None
+                position[0] += 1
+        return position[0]
+
+    @contextlib.contextmanager
+    def _tar(self, position: list[int]) -> Iterator[tarfile.TarFile]:
+        """The shard as a tar; its errors become named ones at the sample ``position[0]``."""
         self.handle()  # checks the file and its size against the manifest
-        index = start
         try:
             with self._open_file() as f, _open_tar(f) as tar:
-                for key, fields in _group(tar, self, start):
-                    yield self.make_sample(index, key, fields)
-                    index += 1
+                yield tar
         except ShardCorruptError:
             raise
         except _RefusedHeader as exc:
             raise self.unsafe_member(
-                f"{exc}; dlpipe never writes one and refuses it", index
+                f"{exc}; dlpipe never writes one and refuses it", position[0]
             ) from None
         except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
-            raise self.corrupt(f"is not a readable tar ({exc})", index) from exc
-        if index != self.info.samples:
-            raise self.corrupt(f"holds {index} samples but the manifest says {self.info.samples}")
+            raise self.corrupt(f"is not a readable tar ({exc})", position[0]) from exc
 
     def _open_file(self) -> IO[bytes]:
         if storage.is_url(self.path):
@@ -162,9 +189,10 @@ def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
 
 
 def _group(
-    tar: tarfile.TarFile, reader: WdsReader, skip: int = 0
+    tar: tarfile.TarFile, reader: WdsReader, skip: int = 0, *, read: bool = True
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """(key, fields) of consecutive members; the first `skip` samples' data is never read."""
+    """(key, fields) of consecutive members; the first `skip` samples' data is never read (nor
+    any with `read` False: the fields then hold empty bytes)."""
     key: str | None = None
     fields: dict[str, bytes] = {}
     index = -1
@@ -177,7 +205,7 @@ def _group(
             key, fields, index = name_key, {}, index + 1
         if field in fields:
             raise reader.corrupt(f"member {member.name!r} appears twice", index)
-        if index < skip:
+        if index < skip or not read:
             fields[field] = b""
             continue
         data = tar.extractfile(member)
