@@ -189,3 +189,17 @@ def test_wds_evaluation_reads_every_sample_once_with_more_readers_than_shards(
         )
         keys += [s["__key__"] for batch in loader for s in batch]
     assert sorted(keys) == sorted(s["__key__"] for s in samples[:13])
+
+
+@pytest.mark.parametrize("fmt", RANDOM_ACCESS)
+def test_an_in_process_loader_and_a_forked_one_share_a_dataset(fmt, make_dataset) -> None:
+    """An eval loader without workers keeps shards open while a train loader forks workers
+    (a notebook, or a trainer evaluating in-process): the workers reopen them."""
+    path = make_dataset(fmt)
+    in_process = dlpipe.make_loader(path, "val", batch_size=4, image_size=24, num_workers=0)
+    first = _batches(in_process, 1)
+    forked = dlpipe.make_loader(
+        path, "val", batch_size=4, image_size=24, num_workers=1, multiprocessing_context="fork"
+    )
+    assert [labels.tolist() for _, labels in _batches(forked)][:1] == [first[0][1].tolist()]
+    assert len(_batches(in_process)) == len(_batches(forked))

@@ -43,6 +43,7 @@ full map (``MapFullError``) is grown and the batch retried.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import struct
@@ -299,7 +300,11 @@ class LmdbReader(ShardReader):
     def _open(self) -> Any:
         pid = os.getpid()
         for inherited in [k for k in _OPEN_ENVS if k[0] != pid]:
-            del _OPEN_ENVS[inherited]  # dropped, as the readers drop theirs: LMDB then reopens
+            # inherited through fork: closed here (this process's mapping and descriptors
+            # only), else lmdb refuses to open the path again ("already open in this process")
+            # while another loader of the parent still holds the environment
+            with contextlib.suppress(lmdb.Error):
+                _OPEN_ENVS.pop(inherited)[0].close()
         path = (pid, os.path.realpath(storage.local_path(self.path)))
         entry = _OPEN_ENVS.get(path)
         if entry is None:
