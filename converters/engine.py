@@ -23,7 +23,7 @@ from dlpipe.codecs import field_type
 from dlpipe.converters.executors import WorkerDiedError, run_local, run_ray
 from dlpipe.converters.images import ImagePolicy
 from dlpipe.converters.journal import Journal, ResumeError
-from dlpipe.converters.plan import Plan, make_plan
+from dlpipe.converters.plan import OPTION_FLAGS, Plan, make_plan
 from dlpipe.converters.source import Scan, SourceError, SourceOptions
 from dlpipe.converters.sources import open_source
 from dlpipe.converters.worker import OutputFullError, TaskResult, WorkerConfig, is_disk_full
@@ -50,21 +50,6 @@ __all__ = [
     "default_out",
     "plan_conversion",
 ]
-
-_FLAGS = {  # ConvertConfig field -> the flag that sets it, for the commands hints print
-    "source": "--source",
-    "image_col": "--image-col",
-    "label_col": "--label-col",
-    "shard_bytes": "--shard-size",
-    "max_side": "--max-side",
-    "quality": "--quality",
-    "val_fraction": "--val-fraction",
-    "seed": "--seed",
-    "on_error": "--on-error",
-    "engine": "--engine",
-    "ray_address": "--ray-address",
-    "keep_empty_classes": "--keep-empty-classes",
-}
 
 
 class OutputInsideRawError(DlpipeError, ValueError):
@@ -123,7 +108,7 @@ class ConvertConfig:
         """The flags (and values) of every option that differs from its default."""
         default = ConvertConfig(raw=self.raw, to=self.to)
         args: list[str] = []
-        for name, flag in _FLAGS.items():
+        for name, flag in OPTION_FLAGS.items():
             value = getattr(self, name)
             if value != getattr(default, name):
                 args += [flag] if isinstance(value, bool) else [flag, str(value)]

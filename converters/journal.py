@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from dlpipe import storage
-from dlpipe.converters.plan import Plan
+from dlpipe.converters.plan import OPTION_FLAGS, Plan
 from dlpipe.converters.worker import TaskResult
 from dlpipe.errors import DlpipeError
 from dlpipe.formats.writer import JOURNAL_DIR, remove_journal
@@ -24,19 +24,7 @@ from dlpipe.manifest import ShardInfo
 __all__ = ["JOURNAL_DIR", "Journal", "ResumeError"]
 
 _PLAN_NAME = "plan.json"
-_FLAGS = {
-    "format": "--to",
-    "source": "--source",
-    "shard_bytes": "--shard-size",
-    "max_side": "--max-side",
-    "quality": "--quality",
-    "val_fraction": "--val-fraction",
-    "seed": "--seed",
-    "on_error": "--on-error",
-    "image_col": "--image-col",
-    "label_col": "--label-col",
-    "image_field": "the image type",
-}
+_FLAGS = {**OPTION_FLAGS, "format": "--to", "image_field": "the image type"}
 
 
 class ResumeError(DlpipeError, ValueError):
