@@ -305,11 +305,12 @@ def make_loader(
             machine, split, batch size, transform and image size, if there are any (logged at
             INFO on the ``dlpipe`` logger); a `LoaderProfile` is used as is; None, or no saved
             profile, gives the defaults (all cores but one, prefetch 2, pinned memory with CUDA).
+            A malformed profiles file is a WARNING on the ``dlpipe`` logger and the defaults.
         multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"`` for the workers
             (default: the platform's); readers reopen in each worker either way.
 
     Raises:
-        ProfileError: ``profile="auto"`` met a malformed profiles file.
+        ManifestError, ManifestNotFoundError, DatasetChangedError: the dataset cannot be read.
     """
     train = split == "train"
     shuffle = train if shuffle is None else shuffle
