@@ -21,25 +21,11 @@ import numpy as np
 
 from dlpipe.converters.source import Item, Scan, SourceError
 from dlpipe.formats.base import ShardFormat
+from dlpipe.unfinished import CONVERT_OPTION_FLAGS
 
 __all__ = ["OPTION_FLAGS", "Plan", "ShardTask", "default_shard_bytes", "make_plan"]
 
-OPTION_FLAGS = {
-    "source": "--source",
-    "image_col": "--image-col",
-    "label_col": "--label-col",
-    "shard_bytes": "--shard-size",
-    "max_side": "--max-side",
-    "quality": "--quality",
-    "val_fraction": "--val-fraction",
-    "seed": "--seed",
-    "on_error": "--on-error",
-    "engine": "--engine",
-    "ray_address": "--ray-address",
-    "keep_empty_classes": "--keep-empty-classes",
-}
-"""`dlpipe convert` option (its ConvertConfig field and plan option name) -> the flag that sets
-it, for the commands and the changes the hints print."""
+OPTION_FLAGS = CONVERT_OPTION_FLAGS  # each option's flag, for the commands hints print
 
 MIN_SHARD_BYTES = 1 << 20
 MAX_SHARD_BYTES = 256 << 20

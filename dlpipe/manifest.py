@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import stat
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -39,6 +38,7 @@ from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.errors import ManifestError, ManifestNotFoundError
 from dlpipe.sample import check_field_name
+from dlpipe.unfinished import missing_message
 
 __all__ = [
     "MANIFEST_NAME",
@@ -65,8 +65,6 @@ _INT64_MAX = 2**63 - 1
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SHARD_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 _SPLIT_NAME_RE = re.compile(r"[A-Za-z0-9_]{1,100}")
-_JOURNAL_DIR = ".dlpipe-journal"  # the conversion journal (dlpipe.converters.journal)
-_SHARD_FILE_RE = re.compile(r"[A-Za-z0-9_]+-\d{6}\.[a-z0-9]+")
 
 
 @dataclass(frozen=True)
@@ -171,7 +169,7 @@ def read_manifest_bytes(folder: str) -> bytes:
         else:
             raw = _read_regular_file(storage.local_path(path))
     except FileNotFoundError:
-        raise ManifestNotFoundError(_missing_message(folder)) from None
+        raise ManifestNotFoundError(missing_message(folder)) from None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise _too_large(path)
     return raw
@@ -260,95 +258,6 @@ def _check_depth(data: Any) -> None:
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
             stack.extend((v, depth + 1) for v in value)
-
-
-def _missing_message(folder: str) -> str:
-    names = storage.listdir(folder)
-    if any(_SHARD_FILE_RE.fullmatch(n) or n.startswith(".dlpipe-") for n in names):
-        raw, fmt, args = _interrupted_run(folder, names)
-        command = f"dlpipe convert {raw} --to {fmt} --out {shlex.quote(folder)}{args}"
-        return (
-            f"{folder} has no {MANIFEST_NAME}: it is an unfinished conversion (the manifest is "
-            f"written last). Finish it with `{command} --resume` (the same raw folder and "
-            "options as the interrupted run), or start again with --overwrite"
-        )
-    inside = [
-        n for n in names if storage.exists(storage.join(storage.join(folder, n), MANIFEST_NAME))
-    ]
-    hint = f" Datasets inside it: {', '.join(inside)}." if inside else ""
-    return (
-        f"{folder} is not a dlpipe dataset: no {MANIFEST_NAME} there.{hint} Create one with "
-        f"`dlpipe convert RAW --to wds|lmdb|hdf5 --out {shlex.quote(folder)}`"
-    )
-
-
-# the options of `dlpipe convert` a resume hint may repeat (the journal is untrusted: a flag
-# outside this list, or a value that is not a short string, drops the recorded options)
-_RESUME_FLAGS = {
-    "--source": 1,
-    "--image-col": 1,
-    "--label-col": 1,
-    "--shard-size": 1,
-    "--max-side": 1,
-    "--quality": 1,
-    "--val-fraction": 1,
-    "--seed": 1,
-    "--on-error": 1,
-    "--engine": 1,
-    "--ray-address": 1,
-    "--keep-empty-classes": 0,
-}
-
-
-def _resume_args(recorded: Any) -> str:
-    """The recorded option flags, quoted, as they go after ``--out``; "" when unusable."""
-    if not isinstance(recorded, list) or len(recorded) > 2 * len(_RESUME_FLAGS):
-        return ""
-    words, position = [], 0
-    while position < len(recorded):
-        flag = recorded[position]
-        if not isinstance(flag, str) or flag not in _RESUME_FLAGS:
-            return ""
-        values = recorded[position + 1 : position + 1 + _RESUME_FLAGS[flag]]
-        if len(values) < _RESUME_FLAGS[flag] or not all(
-            isinstance(v, str) and len(v) < 4096 for v in values
-        ):
-            return ""
-        words += [flag, *values]
-        position += 1 + _RESUME_FLAGS[flag]
-    return "".join(f" {shlex.quote(w)}" for w in words)
-
-
-def _interrupted_run(folder: str, names: list[str]) -> tuple[str, str, str]:
-    """(raw folder, format, option flags) of the conversion that left `folder` unfinished, as
-    far as known.
-
-    From the journal's ``plan.json`` when it records them, else the format from the shard
-    names the journal and the folder hold. Read defensively: the folder is untrusted.
-    """
-    from dlpipe.formats import FORMATS  # formats build on this module
-
-    journal = storage.join(folder, _JOURNAL_DIR)
-    plan = _small_json(storage.join(journal, "plan.json"))
-    raw = plan.get("raw") or plan.get("source")
-    fmt = plan.get("format")
-    if not isinstance(fmt, str) or fmt not in FORMATS:
-        shards = [n.removesuffix(".json") for n in storage.listdir(journal)] + names
-        found = {f.name for f in FORMATS.values() for n in shards if n.endswith(f.suffix)}
-        fmt = found.pop() if len(found) == 1 else "|".join(sorted(FORMATS))
-    raw = shlex.quote(raw) if isinstance(raw, str) and raw else "RAW"
-    return raw, fmt, _resume_args(plan.get("args"))
-
-
-def _small_json(path: str) -> dict[str, Any]:
-    """A small JSON object file, or {} when it is missing, too large or not an object."""
-    try:
-        if storage.size(path) > 1 << 16:
-            return {}
-        data = json.loads(storage.read_bytes(path))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _describe(exc: Exception) -> str:
