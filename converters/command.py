@@ -75,7 +75,16 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--source", default="auto", choices=["auto", *SOURCE_KINDS])
     p.add_argument("--image-col", help="table column holding image paths or bytes")
-    p.add_argument("--label-col", help="table column holding labels (names or integers)")
+    p.add_argument(
+        "--label-col",
+        help="table column holding labels (names or integers); none: the table has no labels",
+    )
+    p.add_argument(
+        "--image-root",
+        metavar="DIR",
+        help="folder a table's image paths are looked up in after the table's own folder "
+        "(default: the one sub-folder beside the table that holds them)",
+    )
     p.add_argument(
         "--keep-empty-classes",
         action="store_true",
@@ -133,6 +142,7 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
         source=args.source,
         image_col=args.image_col,
         label_col=args.label_col,
+        image_root=args.image_root,
         keep_empty_classes=args.keep_empty_classes,
         shard_bytes=args.shard_size,
         workers=args.workers,

@@ -66,6 +66,7 @@ class ConvertConfig:
     source: str = "auto"
     image_col: str | None = None
     label_col: str | None = None
+    image_root: str | None = None
     shard_bytes: int | None = None
     workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     max_side: int | None = None
@@ -186,6 +187,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     options = SourceOptions(
         image_col=config.image_col,
         label_col=config.label_col,
+        image_root=config.image_root,
         keep_empty_classes=config.keep_empty_classes,
     )
     source = open_source(config.raw, config.source, options)

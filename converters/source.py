@@ -149,6 +149,9 @@ class SourceOptions:
 
     image_col: str | None = None
     label_col: str | None = None
+    """A table's label column; ``"none"`` (any case): the table has none (no ``cls``)."""
+    image_root: str | None = None
+    """The folder a table's image paths are looked up in after the table's own folder."""
     keep_empty_classes: bool = False
     """Keep class folders that hold no image as classes with no samples (else refused)."""
 

@@ -63,9 +63,13 @@ from dlpipe.converters.source import (
     Source,
     SourceError,
     display_path,
+    raw_folder_of,
     read_file,
 )
 from dlpipe.converters.table_files import (
+    ID_AS_IMAGE,
+    IMAGE_NAMES,
+    LABEL_NAMES,
     TABLE_SUFFIXES,
     Columns,
     FileScan,
@@ -78,6 +82,7 @@ from dlpipe.converters.table_files import (
     split_of_name,
     string_columns,
 )
+from dlpipe.converters.table_paths import label_table
 from dlpipe.errors import InvalidKeyError
 from dlpipe.sample import make_key
 
@@ -135,6 +140,9 @@ def _classes(scans: list[FileScan]) -> tuple[str, ...]:
     return names or tuple(str(i) for i in range(top + 1))
 
 
+_CHECK_ROWS = 100
+_EARLY_ROWS = 20
+
 _Keyed = tuple[str, str | None]  # (key, the full id when the key was shortened)
 
 
@@ -190,6 +198,30 @@ def _check_same_columns(scans: list[FileScan]) -> None:
             )
 
 
+def _check_found(scan: FileScan, image_root: str | None) -> None:
+    """SourceError when more than half of the first 100 image paths name no file (or 20 of
+    the first 20 do): the paths point elsewhere, and every sample would be skipped."""
+    checked = min(len(scan.resolved), _CHECK_ROWS)
+    missing = [row for row in scan.missing if row < checked]
+    if not missing or not (
+        len(missing) * 2 > checked or missing[:_EARLY_ROWS] == list(range(_EARLY_ROWS))
+    ):
+        return
+    row = missing[0]
+    value = scan.images[row] or ""
+    folders = ", ".join(display_path(f) for f in scan.searched)
+    hint = (
+        "check --image-root"
+        if image_root
+        else "give the folder that holds the images with --image-root DIR"
+    )
+    raise SourceError(
+        f"{display_path(scan.name)}: {len(missing)} of the first {checked} image paths name no "
+        f"file (row {row}: {display_path(value)!r}, looked for it in {folders}, also without "
+        f"its suffix); {hint}, or fix the paths in column {scan.columns.image!r}"
+    )
+
+
 def _roles(cols: Columns) -> str:
     return f"image {cols.image!r}, label {cols.label!r}, others {', '.join(cols.extra)}"
 
@@ -224,10 +256,19 @@ class TableSource(Source):
 
     @classmethod
     def detect(cls, root: str) -> bool:
-        """True for a table file, or a folder of nothing but table files (or ``data/`` of them)."""
+        """True for a table file, a folder of nothing but table files (or ``data/`` of them), or
+        a folder whose top holds one table with an image and a label column (`label_table`)."""
         if os.path.isfile(root):
             return is_table(root)
-        return os.path.isdir(root) and folder_tables(root, strict=True) is not None
+        if not os.path.isdir(root):
+            return False
+        return folder_tables(root, strict=True) is not None or cls.label_table(root) is not None
+
+    @staticmethod
+    def label_table(root: str) -> str | None:
+        """The one table at `root`'s top with an image and a label column, by their usual names."""
+        images = (*IMAGE_NAMES, ID_AS_IMAGE)
+        return label_table(root, raw_folder_of(root), tuple(TABLE_SUFFIXES), images, LABEL_NAMES)
 
     def table_files(self) -> list[str]:
         """The table files, in scan order; SourceError when `root` is no table layout."""
@@ -243,6 +284,8 @@ class TableSource(Source):
         _check_same_columns(scans)
         classes = _classes(scans)
         keyed = _id_keys(scans) if scans[0].columns.key else _row_keys(scans)
+        for s in scans:
+            _check_found(s, self.options.image_root)
         items = [
             self._item(s, row, key)
             for s, keys in zip(scans, keyed, strict=True)
@@ -253,6 +296,11 @@ class TableSource(Source):
             "kind": self.kind,
             "root": display_path(self.root),
             "tables": [display_path(s.name) for s in scans],
+            "image_roots": {
+                display_path(s.name): display_path(os.path.relpath(s.image_root, self.root))
+                for s in scans
+                if s.image_root
+            },
             "columns": {
                 "image": cols.image,
                 "label": cols.label,
@@ -271,7 +319,7 @@ class TableSource(Source):
             key=key,
             label=scan.labels[row],
             split=scan.splits[row],
-            ref=(scan.path, row),
+            ref=(scan.path, row, scan.resolved[row]),
             size=scan.sizes[row],
             image_kind=scan.kinds[row],
             origin=origin,
@@ -280,27 +328,26 @@ class TableSource(Source):
 
     def load(self, item: Item) -> dict[str, bytes]:
         """The row's image bytes under ``"image"`` and its other columns as ``"json"``."""
-        path, row = item.ref
+        path, row, image_path = item.ref
         try:
             values, schema = read_row(path, row, self.string_columns(), self.raw_folder)
             cols = find_columns(schema, self.options, path)
         except (OSError, IndexError, pa.ArrowException, SourceError) as exc:
             raise SampleError(f"{item.origin}: the row cannot be read from {path} ({exc})") from exc
-        fields = {"image": self._image(values[cols.image], os.path.dirname(path), item)}
+        fields = {"image": self._image(values[cols.image], image_path, item)}
         if cols.extra:
             extra = {name: _jsonable(values[name]) for name in cols.extra}
             text = json.dumps(extra, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
             fields["json"] = text.encode("utf-8")
         return fields
 
-    def _image(self, value: Any, folder: str, item: Item) -> bytes:
+    def _image(self, value: Any, path: str | None, item: Item) -> bytes:
         if isinstance(value, dict):
             value = value["bytes"] if value.get("bytes") is not None else value.get("path")
         if isinstance(value, (bytes, bytearray)):
             return bytes(value)
-        if not value:
+        if not value or path is None:
             raise SampleError(f"{item.origin}: the image cell is empty; fill it or drop the row")
-        path = os.path.join(folder, str(value))
         try:
             return read_file(path, self.raw_folder)
         except SampleError as exc:

@@ -42,8 +42,18 @@ from dlpipe.converters.source import (
     open_regular,
     raw_folder_of,
 )
+from dlpipe.converters.table_paths import (
+    PROBE_ROWS,
+    PathResolver,
+    make_resolver,
+    resolve_image_root,
+)
 
 __all__ = [
+    "ID_AS_IMAGE",
+    "IMAGE_NAMES",
+    "LABEL_NAMES",
+    "NO_LABEL",
     "TABLE_SUFFIXES",
     "Columns",
     "FileScan",
@@ -65,12 +75,16 @@ TABLE_SUFFIXES = {
     ".parquet": "parquet",
 }
 _SPLIT_PREFIXES = (("validation", "val"), ("train", "train"), ("val", "val"), ("test", "test"))
-_IMAGE_NAMES = ("image", "img", "image_path", "path", "file", "filename", "filepath", "file_name")
-_LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "class_name")
+IMAGE_NAMES = ("image", "img", "image_path", "path", "file", "filename", "filepath", "file_name")
+LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "class_name")
 _KEY_NAMES = ("__key__", "key", "id")
 _SPLIT_COL = "split"
+ID_AS_IMAGE = "id"
+"""The column that names the image files when no column has an image name (Kaggle)."""
+NO_LABEL = "none"
+"""``--label-col none``: the table has no label column."""
 _DOC_PREFIXES = ("readme", "license")
-_TEXT_AS_STRING = _KEY_NAMES + _IMAGE_NAMES  # CSV columns never inferred as numbers ("001")
+_TEXT_AS_STRING = _KEY_NAMES + IMAGE_NAMES  # CSV columns never inferred as numbers ("001")
 
 
 def split_of_name(filename: str) -> str | None:
@@ -321,13 +335,15 @@ def _given(name: str, schema: pa.Schema, flag: str, path: str) -> str:
 def _image_column(schema: pa.Schema, given: str | None, path: str) -> str:
     if given:
         return _given(given, schema, "--image-col", path)
-    name = _guess(schema.names, _IMAGE_NAMES, set())
+    name = _guess(schema.names, IMAGE_NAMES, set())
     typed = [f.name for f in schema if _is_bytes(f.type) or _is_image_struct(f.type)]
     if name is None and len(typed) == 1:
         name = typed[0]
+    if name is None:  # Kaggle's id,label tables: the id names the image file (no suffix)
+        name = _guess(schema.names, (ID_AS_IMAGE,), set())
     if name is None:
         raise SourceError(
-            f"{path}: no image column (looked for {', '.join(_IMAGE_NAMES)}); the columns are "
+            f"{path}: no image column (looked for {', '.join(IMAGE_NAMES)}); the columns are "
             f"{', '.join(schema.names)}: name the one with image paths or bytes with --image-col"
         )
     return name
@@ -336,14 +352,17 @@ def _image_column(schema: pa.Schema, given: str | None, path: str) -> str:
 def find_columns(schema: pa.Schema, options: SourceOptions, path: str) -> Columns:
     """Which column is the image, label, split and key; every other column is extra."""
     image = _image_column(schema, options.image_col, path)
-    if options.label_col:
-        label: str | None = _given(options.label_col, schema, "--label-col", path)
+    if options.label_col and options.label_col.lower() == NO_LABEL:
+        label: str | None = None
+    elif options.label_col:
+        label = _given(options.label_col, schema, "--label-col", path)
     else:
-        label = _guess(schema.names, _LABEL_NAMES, {image})
+        label = _guess(schema.names, LABEL_NAMES, {image})
     split = None
     if split_of_name(path) is None and _SPLIT_COL in schema.names:
         split = _SPLIT_COL if _SPLIT_COL not in (image, label) else None
-    key = _guess(schema.names, _KEY_NAMES, {image, label or "", split or ""})
+    taken = {label or "", split or ""} | ({image} if image.lower() != ID_AS_IMAGE else set())
+    key = _guess(schema.names, _KEY_NAMES, taken)
     used = {image, label, split}
     return Columns(image, label, split, key, tuple(sorted(set(schema.names) - used)))
 
@@ -362,6 +381,10 @@ class FileScan:
     sizes: list[int] = field(default_factory=list)
     kinds: list[str | None] = field(default_factory=list)
     images: list[str | None] = field(default_factory=list)  # the image path, for origins
+    resolved: list[str | None] = field(default_factory=list)  # the file to read, by path rule
+    missing: list[int] = field(default_factory=list)  # rows whose image path names no file
+    searched: tuple[str, ...] = ()  # the folders image paths are looked up in
+    image_root: str | None = None  # the image root chosen from the first rows, if any
 
 
 def _hf_class_names(schema: pa.Schema, label: str | None) -> tuple[str, ...] | None:
@@ -421,9 +444,23 @@ def _path_size(path: str, folders: tuple[str, ...]) -> int:
     return info.st_size if stat.S_ISREG(info.st_mode) else 0
 
 
-def _add_image_facts(scan: FileScan, column: pa.ChunkedArray, folders: tuple[str, ...]) -> None:
-    """Per row: estimated size, image kind, and the image path (None for embedded bytes)."""
-    folder = os.path.dirname(scan.path)
+def _path_values(column: pa.ChunkedArray, cols: Columns, name: str) -> list[str | None]:
+    """The image column's paths (None where a row embeds bytes), for choosing an image root."""
+    values: list[str | None] = []
+    for chunk in column.chunks:
+        data, paths = _image_arrays(chunk, cols, name)
+        heads = pc.binary_slice(data, 0, 1).to_pylist()
+        values += [
+            None if h is not None else p for h, p in zip(heads, paths.to_pylist(), strict=True)
+        ]
+    return values
+
+
+def _add_image_facts(
+    scan: FileScan, column: pa.ChunkedArray, folders: tuple[str, ...], resolver: PathResolver
+) -> None:
+    """Per row: estimated size, image kind, the image path and the file it names (None for
+    embedded bytes), and the rows whose path names no file."""
     for chunk in column.chunks:  # chunk by chunk: no copy of a whole column of images
         data, paths = _image_arrays(chunk, scan.columns, scan.name)
         heads = pc.binary_slice(data, 0, 12).to_pylist()
@@ -433,8 +470,12 @@ def _add_image_facts(scan: FileScan, column: pa.ChunkedArray, folders: tuple[str
                 scan.sizes.append(length)
                 scan.kinds.append(image_kind_of_bytes(head))
                 scan.images.append(None)
+                scan.resolved.append(None)
                 continue
-            full = os.path.join(folder, path) if path else ""
+            full, found = resolver.resolve(path) if path else ("", True)
+            if not found:
+                scan.missing.append(len(scan.resolved))
+            scan.resolved.append(full or None)
             scan.sizes.append(_path_size(full, folders))
             scan.kinds.append(image_kind_of_name(path) if path else None)
             scan.images.append(path)
@@ -466,5 +507,12 @@ def scan_file(path: str, root: str, options: SourceOptions) -> FileScan:
     scan.labels = table.column(cols.label).to_pylist() if cols.label else [None] * table.num_rows
     scan.ids = table.column(cols.key).to_pylist() if cols.key else []
     given = os.path.abspath(root if os.path.isdir(root) else os.path.dirname(root))
-    _add_image_facts(scan, table.column(cols.image), (given, folder))
+    image_root = (
+        resolve_image_root(options.image_root, given, folder) if options.image_root else None
+    )
+    column = table.column(cols.image)
+    probe = _path_values(column.slice(0, PROBE_ROWS * 5), cols, name)
+    resolver, scan.image_root = make_resolver(path, probe, image_root, folder)
+    scan.searched = resolver.folders
+    _add_image_facts(scan, column, (given, folder), resolver)
     return scan

@@ -283,7 +283,7 @@ def test_tables_must_agree(tmp_path: Path) -> None:
 
 def test_detect(tmp_path: Path, pets: Path) -> None:
     assert TableSource.detect(str(pets))
-    assert not TableSource.detect(str(tmp_path))  # a table beside an images folder
+    assert TableSource.detect(str(tmp_path))  # one image+label table beside its images folder
     assert TableSource.detect(str(write_text(tmp_path / "only/rows.jsonl", "{}\n").parent))
     assert TableSource.detect(str(write_text(tmp_path / "x.NDJSON", "{}\n")))
     assert not TableSource.detect(str(tmp_path / "images"))

@@ -1,0 +1,153 @@
+"""Tables as datasets ship: a table beside a folder of images (Kaggle), detection that says
+why, an early stop when the paths point nowhere, and tables without labels."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+import dlpipe
+from dlpipe.cli import main
+from dlpipe.converters.source import SourceError, SourceOptions
+from dlpipe.converters.sources import open_source
+from dlpipe.converters.table import TableSource
+
+
+def jpeg(index: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 6), (index * 40 % 256, 90, 200)).save(out, "JPEG")
+    return out.getvalue()
+
+
+def kaggle(root: Path, rows: int = 6, *, suffix: str = ".jpg", folder: str = "train") -> Path:
+    """Kaggle's usual ``train.csv`` (``id,label``) beside ``train/<id>.jpg``."""
+    (root / folder).mkdir(parents=True)
+    lines = ["id,label"]
+    for i in range(rows):
+        (root / folder / f"img{i:03d}.jpg").write_bytes(jpeg(i))
+        lines.append(f"img{i:03d}{suffix},{'cat' if i % 2 else 'dog'}")
+    (root / "train.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def labels_beside_images(root: Path, rows: int = 6) -> Path:
+    """``labels.csv`` (``filename,label``) with the files under ``images/``."""
+    (root / "images").mkdir(parents=True)
+    lines = ["filename,label"]
+    for i in range(rows):
+        (root / "images" / f"{i}.jpg").write_bytes(jpeg(i))
+        lines.append(f"{i}.jpg,{'cat' if i % 2 else 'dog'}")
+    (root / "labels.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def convert(raw: Path, out: Path, *flags: str) -> int:
+    return main(["convert", str(raw), "--to", "wds", "--out", str(out), "--workers", "1", *flags])
+
+
+def samples(out: Path) -> list[dict]:
+    return [dlpipe.decode_sample(s) for s in dlpipe.open_dataset(str(out), "train")]
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_labels_csv_beside_images_folder_is_detected_and_converts(tmp_path, capsys) -> None:
+    raw = labels_beside_images(tmp_path / "raw")
+    assert convert(raw, tmp_path / "out") == 0
+    manifest = dlpipe.read_manifest(str(tmp_path / "out"))
+    assert manifest.source["kind"] == "table" and manifest.classes == ("cat", "dog")
+    assert manifest.source["image_roots"] == {"labels.csv": "images"}
+    got = samples(tmp_path / "out")
+    assert len(got) == 6 and sorted(int(g["cls"]) for g in got) == [0, 0, 0, 1, 1, 1]
+    assert manifest.source.get("skipped", 0) == 0
+
+
+def test_kaggle_ids_without_suffix_resolve_to_the_one_image(tmp_path, caplog) -> None:
+    raw = kaggle(tmp_path / "raw", suffix="")
+    (raw / "test").mkdir()  # the unlabelled images Kaggle ships beside: not chosen
+    (raw / "test" / "other.jpg").write_bytes(jpeg(9))
+    with caplog.at_level(logging.INFO, logger="dlpipe"):
+        assert convert(raw, tmp_path / "out") == 0
+    assert any("train.csv" in r.message and "--image-root" in r.message for r in caplog.records)
+    got = samples(tmp_path / "out")
+    assert len(got) == 6
+    assert sorted(g["__key__"] for g in got) == [f"img{i:03d}" for i in range(6)]
+
+
+def test_an_id_matching_two_images_is_not_guessed(tmp_path) -> None:
+    raw = kaggle(tmp_path / "raw", suffix="", rows=3)
+    (raw / "train" / "img000.png").write_bytes(jpeg(0))
+    result = TableSource(str(raw)).scan()
+    assert result.items[0].size == 0 and result.items[1].size > 0  # img000 names two files
+
+
+def test_explicit_image_root_relative_to_the_raw_folder(tmp_path) -> None:
+    raw = labels_beside_images(tmp_path / "raw")
+    (raw / "thumbs").mkdir()
+    (raw / "thumbs" / "0.jpg").write_bytes(jpeg(0))  # two folders hold files: no auto choice
+    assert convert(raw, tmp_path / "out", "--image-root", "images") == 0
+    assert len(samples(tmp_path / "out")) == 6
+
+
+def test_image_root_outside_the_raw_folder_is_refused(tmp_path, capsys) -> None:
+    raw = labels_beside_images(tmp_path / "raw")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    assert convert(raw, tmp_path / "out", "--image-root", str(outside)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "--image-root" in line and "outside the raw folder" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_image_root_that_is_no_folder_is_refused(tmp_path, capsys) -> None:
+    raw = labels_beside_images(tmp_path / "raw")
+    assert convert(raw, tmp_path / "out", "--image-root", "nope") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "--image-root nope: not a folder" in line
+
+
+def test_an_auto_image_root_never_follows_a_folder_link_out(tmp_path) -> None:
+    outside = tmp_path / "secret"
+    labels_beside_images(outside)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "labels.csv").write_bytes((outside / "labels.csv").read_bytes())
+    (raw / "images").symlink_to(outside / "images")
+    with pytest.raises(SourceError, match=r"6 of the first 6 image paths name no file"):
+        TableSource(str(raw)).scan()
+
+
+def test_most_paths_missing_stops_early_with_one_line(tmp_path, capsys) -> None:
+    raw = labels_beside_images(tmp_path / "raw", rows=30)
+    for path in (raw / "images").iterdir():
+        path.rename(raw / "images" / ("x" + path.name))
+    assert convert(raw, tmp_path / "out", "--source", "table") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "labels.csv: 30 of the first 30 image paths name no file" in line
+    assert "row 0: '0.jpg'" in line and str(raw) in line and "--image-root DIR" in line
+    assert not (tmp_path / "out").exists()
+    assert len(list((raw / "images").iterdir())) == 30  # nothing of the user's touched
+
+
+def test_a_few_missing_images_are_still_skipped_samples(tmp_path, capsys) -> None:
+    raw = labels_beside_images(tmp_path / "raw", rows=10)
+    (raw / "images" / "3.jpg").unlink()
+    assert convert(raw, tmp_path / "out") == 0
+    manifest = dlpipe.read_manifest(str(tmp_path / "out"))
+    assert manifest.source["skipped"] == 1 and len(samples(tmp_path / "out")) == 9
+
+
+def test_the_first_twenty_missing_stop_even_when_later_rows_exist(tmp_path) -> None:
+    raw = labels_beside_images(tmp_path / "raw", rows=60)
+    for i in range(20):
+        (raw / "images" / f"{i}.jpg").unlink()
+    with pytest.raises(SourceError, match=r"20 of the first 60 image paths .*row 0: '0\.jpg'"):
+        TableSource(str(raw), SourceOptions(image_root="images")).scan()
