@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from dlpipe.converters.source import Source, SourceError, SourceOptions, display_path
+from dlpipe.converters.source import Source, SourceError, SourceOptions, display_path, log
 
 __all__ = ["SOURCE_KINDS", "open_source"]
 
@@ -18,6 +18,54 @@ SOURCE_KINDS = {
     "imagenet": "dlpipe.converters.imagenet:ImageNetSource",
     "imagefolder": "dlpipe.converters.imagefolder:ImageFolderSource",
 }
+
+
+# a layout that is a special case of another: matching both is no ambiguity
+_SPECIAL_CASE_OF = {"imagenet": ("imagefolder",)}
+
+# why a layout was detected, for the warning when several match
+_WHY = {
+    "cifar": "it holds CIFAR batch files",
+    "mnist": "it holds MNIST idx files",
+    "files": "its files share stems (key.jpg beside key.json, ...)",
+    "imagenet": "it has ImageNet's train/ and val/ synset folders",
+    "imagefolder": "its sub-folders read as class folders of images",
+}
+
+
+def _why(root: str, kind: str) -> str:
+    if kind == "table":
+        from dlpipe.converters.table import TableSource
+
+        table = TableSource.label_table(root) if os.path.isdir(root) else None
+        if table is not None:
+            return f"{display_path(os.path.basename(table))} has an image and a label column"
+        return "it holds table files"
+    return _WHY.get(kind, "its layout matches")
+
+
+def _warn_if_ambiguous(root: str, chosen: str) -> None:
+    """A warning naming the chosen layout, why, and the ``--source`` of each other match."""
+    later = list(SOURCE_KINDS)[list(SOURCE_KINDS).index(chosen) + 1 :]
+    others = [
+        kind
+        for kind in later
+        if kind not in _SPECIAL_CASE_OF.get(chosen, ()) and _source_class(kind).detect(root)
+    ]
+    if not others:
+        return
+    alternatives = "; ".join(
+        f"it also reads as {kind} ({_why(root, kind)}): give --source {kind} for that"
+        for kind in others
+    )
+    log.warning(
+        "%s: read as %s (--source %s) because %s; %s",
+        display_path(root),
+        chosen,
+        chosen,
+        _why(root, chosen),
+        alternatives,
+    )
 
 
 def _source_class(kind: str) -> type[Source]:
@@ -50,6 +98,7 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
     for name in SOURCE_KINDS:
         cls = _source_class(name)
         if cls.detect(root):
+            _warn_if_ambiguous(root, name)
             return cls(root, options)
     raise SourceError(
         f"{display_path(root)}: cannot tell its layout (none of {', '.join(SOURCE_KINDS)} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,64 @@ def test_the_first_twenty_missing_stop_even_when_later_rows_exist(tmp_path) -> N
         (raw / "images" / f"{i}.jpg").unlink()
     with pytest.raises(SourceError, match=r"20 of the first 60 image paths .*row 0: '0\.jpg'"):
         TableSource(str(raw), SourceOptions(image_root="images")).scan()
+
+
+def read_as_warnings(caplog) -> list[str]:
+    return [
+        r.message for r in caplog.records if r.levelno == logging.WARNING and "read as" in r.message
+    ]
+
+
+def test_table_beside_class_folders_warns_naming_the_other_source(tmp_path, capsys) -> None:
+    raw = tmp_path / "raw"
+    for i, cls in enumerate(["cat", "dog", "cat", "dog"]):
+        (raw / cls).mkdir(parents=True, exist_ok=True)
+        (raw / cls / f"{i}.jpg").write_bytes(jpeg(i))
+    rows = "".join(
+        f"{c}/{i}.jpg,{'big' if i < 2 else 'small'}\n"
+        for i, c in enumerate(["cat", "dog", "cat", "dog"])
+    )
+    (raw / "labels.csv").write_text("filename,label\n" + rows)
+    assert convert(raw, tmp_path / "out") == 0
+    printed = capsys.readouterr()
+    lines = [line for line in (printed.out + printed.err).splitlines() if "read as" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: ")
+    assert (
+        "read as table (--source table) because labels.csv has an image and a label column"
+        in lines[0]
+    )
+    assert "--source imagefolder" in lines[0]
+    assert dlpipe.read_manifest(str(tmp_path / "out")).classes == ("big", "small")
+    assert convert(raw, tmp_path / "out2", "--source", "imagefolder") == 0
+    assert dlpipe.read_manifest(str(tmp_path / "out2")).classes == ("cat", "dog")
+
+
+def test_plain_layouts_detect_without_a_warning(tmp_path, caplog) -> None:
+    raw = tmp_path / "raw"
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            (raw / split / cls).mkdir(parents=True)
+            (raw / split / cls / "1.jpg").write_bytes(jpeg(1))
+    (raw / "notes.csv").write_text("a,b\n1,2\n")  # a table without image and label columns
+    with caplog.at_level(logging.INFO, logger="dlpipe"):
+        assert open_source(str(raw)).kind == "imagefolder"
+        assert open_source(str(labels_beside_images(tmp_path / "t") / "labels.csv")).kind == "table"
+    assert read_as_warnings(caplog) == []
+
+
+def test_two_tables_or_a_table_without_labels_stay_other_layouts(tmp_path) -> None:
+    raw = labels_beside_images(tmp_path / "raw")
+    (raw / "more.csv").write_text("filename,label\n0.jpg,cat\n")
+    assert not TableSource.detect(str(raw))  # which table is meant is not guessed
+    (raw / "more.csv").unlink()
+    (raw / "labels.csv").write_text("filename,size\n0.jpg,3\n")
+    assert not TableSource.detect(str(raw))
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "labels.csv")  # detection never opens a FIFO (it would hang)
+    (fifo / "images").mkdir()
+    assert not TableSource.detect(str(fifo))
+    (tmp_path / "link" / "images").mkdir(parents=True)
+    (tmp_path / "outside.csv").write_text("filename,label\n0.jpg,cat\n")
+    (tmp_path / "link" / "labels.csv").symlink_to(tmp_path / "outside.csv")  # a link out
+    assert not TableSource.detect(str(tmp_path / "link"))
