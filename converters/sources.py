@@ -44,8 +44,16 @@ def _why(root: str, kind: str) -> str:
     return _WHY.get(kind, "its layout matches")
 
 
+def _table_beside_others(root: str) -> bool:
+    from dlpipe.converters.table import TableSource
+
+    return TableSource.label_table(root) is not None
+
+
 def _warn_if_ambiguous(root: str, chosen: str) -> None:
     """A warning naming the chosen layout, why, and the ``--source`` of each other match."""
+    if chosen == "table" and not (os.path.isdir(root) and _table_beside_others(root)):
+        return  # a table file, or a folder of nothing but tables
     later = list(SOURCE_KINDS)[list(SOURCE_KINDS).index(chosen) + 1 :]
     others = [
         kind

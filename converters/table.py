@@ -2,8 +2,10 @@
 
 Layout: ``root`` is one table file (``.csv``, ``.tsv``, ``.jsonl``/``.ndjson``, ``.parquet``),
 or a folder of table files, directly or under ``data/`` (as Hugging Face exports have). A folder
-is detected when it holds nothing else (besides hidden, ``README*`` and ``LICENSE*`` files);
-with ``--source table``, other entries (the folder of images) may sit beside the tables.
+is detected when it holds nothing else (besides hidden, ``README*`` and ``LICENSE*`` files), or
+when its top holds exactly one table whose header has an image column (or an ``id`` column) and
+a label column (``labels.csv`` beside ``images/``, Kaggle's ``train.csv`` beside ``train/``),
+whatever else sits beside it; with ``--source table``, other entries may sit beside any tables.
 
 Splits: a file whose stem is or starts with ``train``, ``val``, ``validation`` or ``test`` and a
 non-alphanumeric character (``train.csv``, ``data/train-00000-of-00002.parquet``) gives that
@@ -15,12 +17,20 @@ named and unnamed tables, and every table must have the same columns.
 Columns (names guessed case-insensitively, or given with ``--image-col``/``--label-col``):
 
 - image (``image``, ``img``, ``image_path``, ``path``, ``file``, ``filename``, ``filepath``,
-  ``file_name``; else the one binary or image-struct column): a path relative to the table's
-  folder (or absolute), encoded image bytes, or the Hugging Face Image struct ``{bytes, path}``
-  (bytes when not null, else the path).
+  ``file_name``; else the one binary or image-struct column; else ``id``, which is then the key
+  too): a path looked up in the table's folder, then in the image root (the rule of
+  `dlpipe.converters.table_paths`: ``--image-root``, or the one sub-folder holding the files;
+  a path without suffix names the one image file with that stem), or absolute; encoded image
+  bytes; or the Hugging Face Image struct ``{bytes, path}`` (bytes when not null, else the
+  path).
 - label (``label``, ``labels``, ``class``, ``category``, ``target``, ``y``, ``class_name``):
   integers, named by the Hugging Face ``ClassLabel`` in the Parquet schema metadata when there
   is one, else ``"0"`` … ``str(max)``; or strings, whose sorted unique values are the classes.
+  ``--label-col none``: no label column (samples without ``cls``, no classes). Tables whose
+  labels are all -1 (how Hugging Face ships an unlabelled ``test`` split) give samples without
+  ``cls`` and no classes too. Such a split beside labelled ones is refused, naming it: a
+  dataset has one set of fields, so convert the unlabelled split's files on their own. Any
+  other negative label is an error.
 - key (``__key__``, ``key``, ``id``): when present, each row's key is its value escaped by the
   key rule (an id too long for a key is shortened by `dlpipe.sample.make_key`, the full id kept
   as the item's ``original``), and duplicates are an error; otherwise ``{split}_{row:08d}``
@@ -32,6 +42,10 @@ UTF-8 object with sorted keys. Values become JSON as follows: dates and times �
 strings, durations → seconds, decimals → strings (exact), bytes → base64 strings, NaN and
 infinities → null, lists/structs/maps → arrays/objects. Rows are numbered from 0 in their file
 (``train.csv row 0`` is the first line after the header); empty CSV cells are null.
+
+When more than half of a table's first 100 image paths (or all of its first 20) name no file,
+the scan stops with one error naming a missing path, the folders searched and ``--image-root``,
+instead of skipping every sample; fewer missing files are skipped samples.
 
 Image paths are read only when they resolve (``..``, absolute paths and links included) inside
 the raw folder: the folder given, or the table file's folder when one table file is given.
@@ -127,6 +141,10 @@ def _classes(scans: list[FileScan]) -> tuple[str, ...]:
             f"{scans[0].name} and others: labels are integers in some tables and strings in "
             "others; use one kind"
         )
+    if _unlabelled(scans):
+        for s in scans:
+            s.labels = [None] * len(s.labels)
+        return ()
     names = next((s.class_names for s in scans if s.class_names), None)
     for s in scans:
         for row, value in enumerate(s.labels):
@@ -140,6 +158,29 @@ def _classes(scans: list[FileScan]) -> tuple[str, ...]:
     return names or tuple(str(i) for i in range(top + 1))
 
 
+def _unlabelled(scans: list[FileScan]) -> bool:
+    """True when every label is -1 (a Hugging Face split without labels, given alone); a
+    named split of only -1 beside labelled splits is a SourceError (one dataset has one set
+    of fields, so it is converted on its own)."""
+    labels: dict[str | None, set[Any]] = {}
+    for s in scans:
+        for split, value in zip(s.splits, s.labels, strict=True):
+            labels.setdefault(split, set()).add(value)
+    bare = sorted(str(split) for split, values in labels.items() if values == {UNLABELLED})
+    if len(bare) == len(labels):
+        return True
+    if bare and None not in labels:
+        shown = ", ".join(bare)
+        raise SourceError(
+            f"{scans[0].name} and others: split {shown} has only label -1 (no labels, as Hugging "
+            f"Face ships a test split) beside labelled splits; convert its files on their own "
+            "(they give samples without cls), and the labelled splits without them"
+        )
+    return False
+
+
+UNLABELLED = -1
+"""The label Hugging Face gives the rows of a split that has none (``test`` splits)."""
 _CHECK_ROWS = 100
 _EARLY_ROWS = 20
 

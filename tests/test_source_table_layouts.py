@@ -213,3 +213,64 @@ def test_two_tables_or_a_table_without_labels_stay_other_layouts(tmp_path) -> No
     (tmp_path / "outside.csv").write_text("filename,label\n0.jpg,cat\n")
     (tmp_path / "link" / "labels.csv").symlink_to(tmp_path / "outside.csv")  # a link out
     assert not TableSource.detect(str(tmp_path / "link"))
+
+
+def test_label_col_none_gives_samples_without_cls(tmp_path, capsys) -> None:
+    raw = labels_beside_images(tmp_path / "raw")
+    assert convert(raw, tmp_path / "out", "--source", "table", "--label-col", "none") == 0
+    manifest = dlpipe.read_manifest(str(tmp_path / "out"))
+    assert manifest.classes == ()
+    got = [dict(s) for s in dlpipe.open_dataset(str(tmp_path / "out"), "train")]
+    assert len(got) == 6 and all("cls" not in s for s in got)
+    assert all(b'"label":' in s["json"] for s in got)  # the label column is kept as data
+
+
+def hf_split(path: Path, labels: list[int]) -> None:
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    features = {"label": {"_type": "ClassLabel", "names": ["cat", "dog"]}}
+    table = pa.table(
+        {
+            "image": [{"bytes": jpeg(i), "path": None} for i in range(len(labels))],
+            "label": labels,
+        }
+    ).replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def test_hugging_face_unlabelled_test_split_converts_without_cls(tmp_path, caplog) -> None:
+    raw = tmp_path / "hf"
+    hf_split(raw / "data/train-00000-of-00001.parquet", [0, 1, 1, 0])
+    hf_split(raw / "data/test-00000-of-00001.parquet", [-1, -1, -1])
+    test_file = raw / "data/test-00000-of-00001.parquet"
+    with caplog.at_level(logging.INFO, logger="dlpipe"):
+        assert convert(test_file, tmp_path / "out") == 0  # the split given on its own
+    assert read_as_warnings(caplog) == []  # a folder of only tables is no ambiguity
+    manifest = dlpipe.read_manifest(str(tmp_path / "out"))
+    assert manifest.classes == () and "cls" not in manifest.fields
+    test = list(dlpipe.open_dataset(str(tmp_path / "out"), "test"))
+    assert len(test) == 3 and all("cls" not in s for s in test)
+
+
+def test_unlabelled_split_beside_labelled_ones_is_one_clear_error(tmp_path, capsys) -> None:
+    raw = tmp_path / "hf"
+    hf_split(raw / "data/train-00000-of-00001.parquet", [0, 1, 1, 0])
+    hf_split(raw / "data/test-00000-of-00001.parquet", [-1, -1, -1])
+    assert convert(raw, tmp_path / "out") == 2
+    printed = capsys.readouterr()
+    line = one_error_line(printed.err)
+    assert "split test has only label -1" in line and "on their own" in line
+    assert "read as" not in printed.out + printed.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_minus_one_among_real_labels_is_still_an_error(tmp_path, capsys) -> None:
+    raw = tmp_path / "hf"
+    hf_split(raw / "data/train-00000-of-00001.parquet", [0, -1, 1])
+    assert convert(raw, tmp_path / "out") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "row 1: label -1 is outside 0..1" in line
