@@ -5,7 +5,15 @@ from __future__ import annotations
 import importlib
 import os
 
-from dlpipe.converters.source import Source, SourceError, SourceOptions, display_path, log
+from dlpipe.converters.source import (
+    IMAGE_SUFFIXES,
+    Source,
+    SourceError,
+    SourceOptions,
+    display_path,
+    is_ignored_name,
+    log,
+)
 
 __all__ = ["SOURCE_KINDS", "open_source"]
 
@@ -76,6 +84,30 @@ def _warn_if_ambiguous(root: str, chosen: str) -> None:
     )
 
 
+def _warn_of_loose_images(root: str) -> None:
+    """A warning when image files lie at the top beside the class or split folders: an
+    ImageFolder reads only the folders, so those files would be left out unseen."""
+    try:
+        names = sorted(n for n in os.listdir(root) if not is_ignored_name(n))
+    except OSError:
+        return
+    loose = [
+        n
+        for n in names
+        if os.path.splitext(n)[1].lower() in IMAGE_SUFFIXES
+        and os.path.isfile(os.path.join(root, n))
+    ]
+    if loose:
+        log.warning(
+            "%s: read as class folders; the %d image files at its top (%s) are in no class "
+            "folder and are not read (move them into one, or give --source files to read "
+            "every file as a sample without labels)",
+            display_path(root),
+            len(loose),
+            ", ".join(display_path(n) for n in loose[:3]) + (", ..." if len(loose) > 3 else ""),
+        )
+
+
 def _source_class(kind: str) -> type[Source]:
     module, _, name = SOURCE_KINDS[kind].partition(":")
     cls: type[Source] = getattr(importlib.import_module(module), name)
@@ -107,6 +139,8 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
         cls = _source_class(name)
         if cls.detect(root):
             _warn_if_ambiguous(root, name)
+            if name in ("imagefolder", "imagenet"):
+                _warn_of_loose_images(root)
             return cls(root, options)
     raise SourceError(
         f"{display_path(root)}: cannot tell its layout (none of {', '.join(SOURCE_KINDS)} "

@@ -274,3 +274,41 @@ def test_a_minus_one_among_real_labels_is_still_an_error(tmp_path, capsys) -> No
     assert convert(raw, tmp_path / "out") == 2
     line = one_error_line(capsys.readouterr().err)
     assert "row 1: label -1 is outside 0..1" in line
+
+
+def test_image_root_link_out_of_the_raw_folder_is_refused(tmp_path, capsys) -> None:
+    outside = labels_beside_images(tmp_path / "secret")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "labels.csv").write_bytes((outside / "labels.csv").read_bytes())
+    (raw / "pics").symlink_to(outside / "images")
+    assert convert(raw, tmp_path / "out", "--source", "table", "--image-root", "pics") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "--image-root pics: resolves to" in line and str(outside / "images") in line
+    assert len(list((outside / "images").iterdir())) == 6
+
+
+def test_a_wrong_image_root_stops_early_naming_it(tmp_path, capsys) -> None:
+    raw = labels_beside_images(tmp_path / "raw")
+    (raw / "masks").mkdir()
+    assert convert(raw, tmp_path / "out", "--image-root", "masks") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "6 of the first 6 image paths name no file" in line
+    assert str(raw / "masks") in line and "check --image-root" in line
+
+
+def test_loose_images_beside_split_folders_are_named_in_a_warning(tmp_path, capsys) -> None:
+    raw = tmp_path / "raw"
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            (raw / split / cls).mkdir(parents=True)
+            (raw / split / cls / "1.jpg").write_bytes(jpeg(1))
+    for name in ("stray1.jpg", "stray2.png"):
+        (raw / name).write_bytes(jpeg(2))
+    assert convert(raw, tmp_path / "out") == 0
+    printed = capsys.readouterr()
+    lines = [line for line in (printed.out + printed.err).splitlines() if "class folder" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: ")
+    assert "the 2 image files at its top (stray1.jpg, stray2.png)" in lines[0]
+    assert "--source files" in lines[0]
+    assert dlpipe.read_manifest(str(tmp_path / "out")).splits["train"].samples == 2
