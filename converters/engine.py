@@ -205,7 +205,12 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         seed=config.seed,
         val_fraction=config.val_fraction,
         shard_bytes=config.shard_bytes,
-        options={**recorded, "image_col": config.image_col, "label_col": config.label_col},
+        options={
+            **recorded,
+            "image_col": config.image_col,
+            "label_col": config.label_col,
+            "image_root": config.image_root,
+        },
     )
     return PlannedConversion(
         source=source,

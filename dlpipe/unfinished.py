@@ -49,6 +49,7 @@ CONVERT_OPTION_FLAGS = {
     "source": "--source",
     "image_col": "--image-col",
     "label_col": "--label-col",
+    "image_root": "--image-root",
     "shard_bytes": "--shard-size",
     "max_side": "--max-side",
     "quality": "--quality",

@@ -312,3 +312,12 @@ def test_loose_images_beside_split_folders_are_named_in_a_warning(tmp_path, caps
     assert "the 2 image files at its top (stray1.jpg, stray2.png)" in lines[0]
     assert "--source files" in lines[0]
     assert dlpipe.read_manifest(str(tmp_path / "out")).splits["train"].samples == 2
+
+
+def test_the_printed_resume_command_carries_the_image_root(tmp_path) -> None:
+    from dlpipe.converters.engine import ConvertConfig
+
+    config = ConvertConfig(
+        raw=str(tmp_path), to="wds", out=str(tmp_path / "out"), image_root="pics"
+    )
+    assert "--image-root pics" in config.command("--resume")
