@@ -50,13 +50,15 @@ def run_local(
             yield write_task(source, task, config)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    # creating the pool starts multiprocessing's resource tracker, which unblocks SIGINT and
+    # SIGTERM when it is spawned: block them after that, around the submits that spawn workers
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, len(tasks)),
+        mp_context=context,
+        initializer=worker_init,
+        initargs=(os.getpid(),),
+    )
     with _stop_signals_blocked():  # the workers start with them blocked (see worker_init)
-        pool = ProcessPoolExecutor(
-            max_workers=min(workers, len(tasks)),
-            mp_context=context,
-            initializer=worker_init,
-            initargs=(os.getpid(),),
-        )
         pending: set[Future[TaskResult]] = {
             pool.submit(write_task, source, task, config) for task in tasks
         }
