@@ -45,8 +45,9 @@ import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, ClassVar
+from typing import IO, Any, ClassVar
 
+from dlpipe import storage
 from dlpipe.errors import DlpipeError
 
 __all__ = [
@@ -212,19 +213,6 @@ def is_inside(real: str, folder: str) -> bool:
     return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def _kind_of_mode(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISDIR, "a folder"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _link_problem(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "a symbolic link loop"
@@ -246,10 +234,10 @@ def file_problem(path: str, folder: str) -> str | None:
         mode = os.stat(real).st_mode
     except OSError as exc:
         return _link_problem(exc) if os.path.islink(path) else (exc.strerror or str(exc))
-    return None if stat.S_ISREG(mode) else _kind_of_mode(mode)
+    return None if stat.S_ISREG(mode) else storage.file_kind(mode)
 
 
-def open_regular(path: str, folder: str | None = None) -> BinaryIO:
+def open_regular(path: str, folder: str | None = None) -> IO[bytes]:
     """Open a raw file for reading, refusing anything but a regular file (inside `folder`).
 
     The open cannot hang (``O_NONBLOCK``: a FIFO opens at once and is then refused) and, when
@@ -259,27 +247,24 @@ def open_regular(path: str, folder: str | None = None) -> BinaryIO:
     Raises:
         SampleError: the file is missing, unreadable, outside `folder` or not a regular file.
     """
-    target, flags = path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    target = path
     if folder is not None:
-        target, flags = os.path.realpath(path), flags | getattr(os, "O_NOFOLLOW", 0)
+        target = os.path.realpath(path)
         if not is_inside(target, folder):
             raise SampleError(
                 f"{display_path(path)}: {file_problem(path, folder)}; dlpipe reads only "
                 "files inside the raw folder (copy the file in, or give a folder above both)"
             )
     try:
-        fd = os.open(target, flags)
+        return storage.open_regular(target, follow_links=folder is None)
+    except storage.NotRegularFileError as exc:
+        raise SampleError(
+            f"{display_path(path)}: is {exc.kind}; dlpipe reads only regular files "
+            "(replace it with the file itself, or remove it)"
+        ) from None
     except OSError as exc:
         reason = _link_problem(exc) if os.path.islink(target) else exc.strerror or exc
         raise SampleError(f"{display_path(path)}: cannot be read ({reason})") from exc
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise SampleError(
-            f"{display_path(path)}: is {_kind_of_mode(mode)}; dlpipe reads only regular files "
-            "(replace it with the file itself, or remove it)"
-        )
-    return os.fdopen(fd, "rb")
 
 
 def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = None) -> bytes:
@@ -365,7 +350,7 @@ class RawTree:
             self.skip(entry.path, f"cannot be read ({exc.strerror or exc})")
             return None
         if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
-            self.skip(entry.path, _kind_of_mode(info.st_mode))
+            self.skip(entry.path, storage.file_kind(info.st_mode))
             return None
         ident = (info.st_dev, info.st_ino)
         return RawEntry(entry.name, entry.path, stat.S_ISDIR(info.st_mode), info.st_size, ident)

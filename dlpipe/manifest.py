@@ -27,9 +27,7 @@ It never holds timestamps or host names: the same input and options give the sam
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -199,15 +197,12 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
 
 
 def _read_regular_file(path: str) -> bytes:
-    # O_NONBLOCK: a FIFO named dlpipe.json must not hang the open; it is refused below
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _refused(path, " is not a regular file (a FIFO, device or folder)")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
-    finally:
-        os.close(fd)
+        f = storage.open_regular(path)  # a FIFO named dlpipe.json must not hang the open
+    except storage.NotRegularFileError:
+        raise _refused(path, " is not a regular file (a FIFO, device or folder)") from None
+    with f:
+        return f.read(MAX_MANIFEST_BYTES + 1)
 
 
 def _refused(path: str, what: str) -> ManifestError:

@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -325,10 +324,11 @@ def _read_capped(source: str) -> bytes:
         with storage.open_read(source) as f:
             raw = f.read(MAX_PROFILES_BYTES + 1)
     else:
-        fd = os.open(storage.local_path(source), os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ProfileError(f"{source} is not a regular file; {_FIX}")
+        try:
+            f = storage.open_regular(storage.local_path(source))
+        except storage.NotRegularFileError:
+            raise ProfileError(f"{source} is not a regular file; {_FIX}") from None
+        with f:
             raw = f.read(MAX_PROFILES_BYTES + 1)
     if len(raw) > MAX_PROFILES_BYTES:
         raise ProfileError(f"{source} is over {MAX_PROFILES_BYTES} bytes; {_FIX}")

@@ -57,37 +57,16 @@ class UnsafeShardError(ShardCorruptError):
 
 
 def open_regular_file(path: str) -> IO[bytes]:
-    """Open a local `path` for reading only if it is a regular file and not a symbolic link.
-
-    ``O_NOFOLLOW`` refuses a link even if one was swapped in after a check, and ``O_NONBLOCK``
-    keeps a FIFO from hanging the open; both are checked again on the open descriptor.
+    """Open a local shard `path` for reading only if it is a regular file and not a symbolic
+    link (`storage.open_regular`).
 
     Raises:
         UnsafeShardError: `path` is a symbolic link or not a regular file.
     """
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if os.path.islink(path):
-            raise _not_regular(path, "a symbolic link") from None
-        raise exc
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise _not_regular(path, _file_kind(mode))
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
-def _file_kind(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    return "a device or socket"
+        return storage.open_regular(path, follow_links=False)
+    except storage.NotRegularFileError as exc:
+        raise _not_regular(path, exc.kind) from None
 
 
 def _not_regular(path: str, kind: str) -> UnsafeShardError:
@@ -206,7 +185,7 @@ class ShardReader(ABC):
             else:
                 st = os.lstat(storage.local_path(self.path))
                 if not stat.S_ISREG(st.st_mode):
-                    raise _not_regular(self.path, _file_kind(st.st_mode))
+                    raise _not_regular(self.path, storage.file_kind(st.st_mode))
                 size = st.st_size
                 self.file_id = (st.st_dev, st.st_ino)
         except FileNotFoundError:
