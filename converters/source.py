@@ -67,7 +67,6 @@ __all__ = [
     "image_kind_of_bytes",
     "image_kind_of_name",
     "is_ignored_name",
-    "is_inside",
     "open_regular",
     "raw_folder_of",
     "read_file",
@@ -208,11 +207,6 @@ def raw_folder_of(root: str) -> str:
     return real if os.path.isdir(real) else os.path.dirname(real)
 
 
-def is_inside(real: str, folder: str) -> bool:
-    """True when the real path `real` is `folder` (a real path) or lies below it."""
-    return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
-
-
 def _link_problem(exc: OSError) -> str:
     if exc.errno == errno.ELOOP:
         return "a symbolic link loop"
@@ -227,7 +221,7 @@ def file_problem(path: str, folder: str) -> str | None:
     Checked without opening the file: a FIFO, a device or a link out of the folder is named.
     """
     real = os.path.realpath(path)
-    if not is_inside(real, folder):
+    if not storage.is_inside(real, folder):
         shown = f"{display_path(real)}, outside the raw folder {display_path(folder)}"
         return f"a link to {shown}" if os.path.islink(path) else f"resolves to {shown}"
     try:
@@ -250,7 +244,7 @@ def open_regular(path: str, folder: str | None = None) -> IO[bytes]:
     target = path
     if folder is not None:
         target = os.path.realpath(path)
-        if not is_inside(target, folder):
+        if not storage.is_inside(target, folder):
             raise SampleError(
                 f"{display_path(path)}: {file_problem(path, folder)}; dlpipe reads only "
                 "files inside the raw folder (copy the file in, or give a folder above both)"

@@ -38,7 +38,6 @@ from dlpipe.converters.source import (
     image_kind_of_bytes,
     image_kind_of_name,
     is_ignored_name,
-    is_inside,
     open_regular,
     raw_folder_of,
 )
@@ -48,6 +47,7 @@ from dlpipe.converters.table_paths import (
     make_resolver,
     resolve_image_root,
 )
+from dlpipe.storage import is_inside
 
 __all__ = [
     "ID_AS_IMAGE",

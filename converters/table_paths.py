@@ -32,10 +32,10 @@ from dlpipe.converters.source import (
     display_path,
     file_problem,
     is_ignored_name,
-    is_inside,
     log,
     open_regular,
 )
+from dlpipe.storage import is_inside
 
 __all__ = ["PROBE_ROWS", "PathResolver", "label_table", "make_resolver", "resolve_image_root"]
 

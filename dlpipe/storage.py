@@ -29,6 +29,7 @@ __all__ = [
     "existing_ancestor",
     "exists",
     "file_kind",
+    "is_inside",
     "is_url",
     "is_within",
     "join",
@@ -208,10 +209,15 @@ def existing_ancestor(path: str) -> str:
     return probe
 
 
+def is_inside(real: str, folder: str) -> bool:
+    """True when the real path `real` is the real path `folder` or lies below it."""
+    return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def is_within(path: str, folder: str) -> bool:
     """True when local `path` is strictly inside `folder`, comparing real paths (links resolved)."""
-    base = os.path.realpath(local_path(folder)).rstrip(os.sep) + os.sep
-    return os.path.realpath(local_path(path)).startswith(base)
+    real, base = (os.path.realpath(local_path(p)) for p in (path, folder))
+    return real != base and is_inside(real, base)
 
 
 def require_free_space(out: str, needed_bytes: int) -> None:

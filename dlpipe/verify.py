@@ -221,7 +221,7 @@ def _refuse_local(folder: str, target: str) -> str | None:
     """Why a local shard file must not be read (a link out of the folder, not a regular file)."""
     real = os.path.realpath(storage.local_path(target))
     inside = os.path.realpath(storage.local_path(folder))
-    if os.path.commonpath([real, inside]) != inside:
+    if not storage.is_inside(real, inside):
         return (
             f"is a link to {real}, outside the dataset folder; dlpipe does not read outside "
             "it (copy the file in, or re-run the conversion)"
