@@ -6,16 +6,10 @@ orders them by the plan, so the output does not depend on which one ran.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import multiprocessing
 import os
 import shutil
 import signal
-import sys
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -25,10 +19,10 @@ from dlpipe.converters.plan import ShardTask
 from dlpipe.converters.source import Source
 from dlpipe.converters.worker import OutputFullError, TaskResult, WorkerConfig, write_task
 from dlpipe.errors import DlpipeError
+from dlpipe.processes import die_with_parent, stop_signals_blocked, watch_parent
 
 __all__ = ["EngineError", "WorkerDiedError", "run_local", "run_ray", "worker_init"]
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _FULL_BYTES = 1 << 20  # less free than this after a worker died: the disk filled up
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -50,15 +44,14 @@ def run_local(
             yield write_task(source, task, config)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process with threads
-    # creating the pool starts multiprocessing's resource tracker, which unblocks SIGINT and
-    # SIGTERM when it is spawned: block them after that, around the submits that spawn workers
     pool = ProcessPoolExecutor(
         max_workers=min(workers, len(tasks)),
         mp_context=context,
         initializer=worker_init,
         initargs=(os.getpid(),),
     )
-    with _stop_signals_blocked():  # the workers start with them blocked (see worker_init)
+    # the submits spawn the workers, which start with these blocked (see worker_init)
+    with stop_signals_blocked(_STOP_SIGNALS, start_method="spawn"):
         pending: set[Future[TaskResult]] = {
             pool.submit(write_task, source, task, config) for task in tasks
         }
@@ -109,44 +102,10 @@ def worker_init(parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # blocked since the spawn: pending ones are dropped
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-
-
-@contextlib.contextmanager
-def _stop_signals_blocked() -> Iterator[None]:
-    """Block SIGINT and SIGTERM in this thread while worker processes are spawned.
-
-    A spawned child inherits the signal mask, so a Ctrl-C to the process group while it is
-    still importing (before `worker_init` can ignore it) stays pending instead of printing a
-    KeyboardInterrupt traceback from every worker; this process gets it on leaving the block.
-    """
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _die_with_parent() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # no prctl: the watcher thread still ends the worker
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(1)
+    watch_parent(parent_pid, lambda: os._exit(1), every_s=1.0)
 
 
 def run_ray(

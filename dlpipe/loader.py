@@ -34,6 +34,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dlpipe.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
 from dlpipe.errors import DlpipeError
+from dlpipe.processes import stop_signals_blocked
 from dlpipe.profile import LoaderProfile, select_profile
 from dlpipe.sample import KEY_FIELD, Sample
 from dlpipe.sampler import EpochSampler
@@ -156,9 +157,6 @@ def _apply(transform: Callable[..., Any] | None, sample: Sample, epoch: int, ind
     return transform(sample)
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 def _ignore_stop_signals(worker_id: int) -> None:
     """A worker ignores SIGINT, SIGHUP and every SIGTERM but its parent's: Ctrl-C, Slurm,
     systemd and a closed terminal signal the whole process group, and the main process decides
@@ -184,18 +182,6 @@ def _take_sigterm(parent: int) -> None:
         info = signal.sigwaitinfo({signal.SIGTERM})
         if info.si_pid == parent or os.getppid() != parent:
             os._exit(0)  # the main process ends its workers (or it is gone): leave
-
-
-@contextlib.contextmanager
-def _stop_signals_blocked() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP while workers start: they inherit the mask (fork and spawn
-    alike) and unblock it only once they ignore the signals; the main process gets any
-    signal that came meanwhile as soon as this block ends."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class LoaderStateError(DlpipeError, ValueError):
@@ -227,7 +213,8 @@ class _StopSafeLoader(StatefulDataLoader):
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
             return super()._get_iterator()
-        with _stop_signals_blocked():
+        context = self.multiprocessing_context
+        with stop_signals_blocked(start_method=context.get_start_method() if context else None):
             return super()._get_iterator()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -69,3 +69,21 @@ def make_dataset(tmp_path: Path, samples: list[dict]) -> Callable[..., str]:
         )
 
     return make
+
+
+@pytest.fixture
+def spawn_masks(monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
+    """The signal mask of this process at each spawn of a multiprocessing child (what the
+    child starts with), recorded from here on."""
+    import multiprocessing.popen_spawn_posix as popen
+    import signal
+
+    masks: list[set[int]] = []
+    launch = popen.Popen._launch
+
+    def recording_launch(self: object, process_obj: object) -> object:
+        masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, set()))
+        return launch(self, process_obj)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(popen.Popen, "_launch", recording_launch)
+    return masks

@@ -651,25 +651,14 @@ def test_an_interrupted_conversion_names_the_command_that_finishes_it(tmp_path) 
     assert dlpipe.verify_dataset(str(out)).ok
 
 
-def test_convert_workers_are_spawned_with_stop_signals_blocked(tmp_path, monkeypatch) -> None:
+def test_convert_workers_are_spawned_with_stop_signals_blocked(tmp_path, spawn_masks) -> None:
     """So a Ctrl-C to the process group while a worker still imports stays pending (the worker
     drops it in its initializer) instead of printing a KeyboardInterrupt traceback from it; the
     resource tracker multiprocessing starts with the pool unblocks them, which broke this once."""
-    import multiprocessing.popen_spawn_posix as popen
-    import signal as signals
-
-    masks = []
-    launch = popen.Popen._launch
-
-    def recording_launch(self, process_obj):
-        masks.append(signals.pthread_sigmask(signals.SIG_BLOCK, set()))
-        return launch(self, process_obj)
-
-    monkeypatch.setattr(popen.Popen, "_launch", recording_launch)
     raw = make_raw(tmp_path / "raw", per_class=2)
     out = tmp_path / "out"
     config = ConvertConfig(raw=str(raw), to="wds", out=str(out), workers=2, shard_bytes=1)
     engine.convert(config)
-    assert masks, "no worker process was spawned"
-    assert all({signals.SIGINT, signals.SIGTERM} <= mask for mask in masks), masks
-    assert signals.SIGINT not in signals.pthread_sigmask(signals.SIG_BLOCK, set())
+    assert spawn_masks, "no worker process was spawned"
+    assert all({signal.SIGINT, signal.SIGTERM} <= mask for mask in spawn_masks), spawn_masks
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())

@@ -389,6 +389,20 @@ def test_a_loader_state_from_another_worker_count_is_a_named_error(colours) -> N
     other.close()
 
 
+def test_spawned_loader_workers_start_with_stop_signals_blocked(colours, spawn_masks) -> None:
+    """Under spawn a worker imports for a while before it can ignore anything: a process-group
+    SIGTERM then must stay pending in it, not kill it (multiprocessing's resource tracker
+    unblocks the signals when it starts, which the block has to survive)."""
+    loader = dlpipe.make_loader(
+        colours, batch_size=8, image_size=16, num_workers=2, multiprocessing_context="spawn"
+    )
+    next(iter(loader))
+    loader.close()
+    stop = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    assert len(spawn_masks) == 2 and all(stop <= mask for mask in spawn_masks), spawn_masks
+    assert not stop & signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
 def test_loader_workers_ignore_stop_signals_from_others_and_end_on_their_parents(colours):
     before = set(children(os.getpid()))
     loader = dlpipe.make_loader(colours, batch_size=8, image_size=16, num_workers=2)

@@ -12,7 +12,6 @@ training on as an orphan; the ranks checkpoint and exit as on SIGTERM.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import functools
 import inspect
@@ -20,7 +19,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dlpipe import processes
 from dlpipe.errors import DlpipeError
 
 __all__ = [
@@ -43,7 +42,6 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 600.0
 PARENT_POLL_S = 0.5
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 T = TypeVar("T")
 
 
@@ -220,30 +218,15 @@ def watch_parent(signum: int = signal.SIGTERM) -> threading.Thread | None:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
         return None
-    parent = os.getppid()
-
-    def poll() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os.kill(os.getpid(), signum)
-
-    thread = threading.Thread(target=poll, name="dlpipe-parent-watch", daemon=True)
-    thread.start()
-    return thread
-
-
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
-    """Ask Linux to send this process `signum` when its parent dies (elsewhere: nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    return processes.watch_parent(
+        os.getppid(), lambda: os.kill(os.getpid(), signum), every_s=PARENT_POLL_S
+    )
 
 
 def run_torchrun_child(launcher_pid: int, argv: list[str]) -> None:
     """torchrun's main, in a process that gets SIGTERM when the launcher dies (kill -9, a
     closed terminal): torchrun then stops the ranks, which checkpoint and exit."""
-    die_with_parent(signal.SIGTERM)
+    processes.die_with_parent(signal.SIGTERM)
     if os.getppid() != launcher_pid:  # the launcher died before the line above
         sys.exit(143)
     import runpy
