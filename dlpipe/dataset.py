@@ -41,7 +41,7 @@ from dlpipe.manifest import (
     read_manifest_bytes,
 )
 from dlpipe.sample import Sample
-from dlpipe.verify import sample_problem
+from dlpipe.verify import label_problem
 
 __all__ = [
     "CheckedReader",
@@ -194,7 +194,7 @@ class CheckedReader:
         return self._checked(sample, index)
 
     def _checked(self, sample: Sample, index: int) -> Sample:
-        problem = sample_problem(sample, self.num_classes)
+        problem = label_problem(sample, self.num_classes)
         if problem is not None:
             raise self.reader.corrupt(problem, index)
         return sample

@@ -41,9 +41,9 @@ from dlpipe.manifest import (
     parse_manifest,
     read_manifest,
 )
-from dlpipe.sample import KEY_FIELD, Sample, check_key
+from dlpipe.sample import KEY_FIELD, Sample
 
-__all__ = ["CheckerError", "Problem", "VerifyReport", "sample_problem", "verify_dataset"]
+__all__ = ["CheckerError", "Problem", "VerifyReport", "label_problem", "verify_dataset"]
 
 SIDECARS = frozenset({MANIFEST_NAME, PROFILES_NAME, "errors.jsonl", "keys.jsonl"})
 _LABEL_FIELD = "cls"
@@ -136,16 +136,13 @@ def check_shard(
         reader.close()
 
 
-def sample_problem(sample: Sample, num_classes: int) -> str | None:
-    """What is wrong with a read sample's key or label, or None.
+def label_problem(sample: Sample, num_classes: int) -> str | None:
+    """What is wrong with a read sample's label, or None.
 
-    The key must follow the key rule; with class names (`num_classes` > 0) the ``cls`` label
-    must be a canonical decimal in ``0..num_classes - 1``. O(1) per sample.
+    With class names (`num_classes` > 0) the ``cls`` label must be a canonical decimal in
+    ``0..num_classes - 1``. O(1) per sample. (The key rule, the fields and a canonical ``cls``
+    are checked by every shard reader as it reads, in `ShardReader.make_sample`.)
     """
-    try:
-        check_key(sample.get(KEY_FIELD))
-    except DlpipeError as exc:
-        return str(exc)
     label = sample.get(_LABEL_FIELD)
     if not num_classes or label is None:
         return None
@@ -240,7 +237,7 @@ def _decode_shard(reader: ShardReader, split: str, num_classes: int) -> tuple[Pr
     try:
         for sample in reader:
             decode_sample(sample)
-            wrong = sample_problem(sample, num_classes)
+            wrong = label_problem(sample, num_classes)
             if wrong is not None:
                 return Problem(split, reader.info.name, wrong, index), index
             index += 1
