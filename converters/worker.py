@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlpipe.codecs import stable_message
 from dlpipe.converters.images import ImagePolicy, prepare_image
 from dlpipe.converters.plan import ShardTask
 from dlpipe.converters.source import SampleError, Source
@@ -24,8 +24,6 @@ from dlpipe.manifest import ShardInfo
 from dlpipe.sample import Sample
 
 __all__ = ["OutputFullError", "TaskResult", "WorkerConfig", "is_disk_full", "write_task"]
-
-_ADDRESS_RE = re.compile(r" at 0x[0-9A-Fa-f]+")
 
 
 class OutputFullError(DlpipeError, OSError):
@@ -117,7 +115,7 @@ def _samples(
         except SampleError as exc:
             if config.on_error == "fail":
                 raise SampleError(f"{exc} (use --on-error skip to skip such samples)") from exc
-            message = _ADDRESS_RE.sub("", str(exc))  # the same text run to run
+            message = stable_message(exc)  # the same text run to run
             result.skipped.append({"key": item.key, "origin": item.origin, "error": message})
             continue
         if item.label is not None:
