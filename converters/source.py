@@ -70,6 +70,7 @@ __all__ = [
     "open_regular",
     "raw_folder_of",
     "read_file",
+    "unlistable",
 ]
 
 log = logging.getLogger("dlpipe")
@@ -215,6 +216,14 @@ def _link_problem(exc: OSError) -> str:
     return f"a link that cannot be followed ({exc.strerror or exc})"
 
 
+def unlistable(folder: str, exc: OSError) -> SourceError:
+    """The error for a raw folder that cannot be listed (a class would silently lose images)."""
+    return SourceError(
+        f"{display_path(folder)}: cannot be listed ({exc.strerror or exc}); fix its "
+        "permissions or remove it"
+    )
+
+
 def file_problem(path: str, folder: str) -> str | None:
     """Why `path` is no regular file inside the real folder `folder`; None when it is one.
 
@@ -328,10 +337,7 @@ class RawTree:
             with os.scandir(folder) as it:
                 found = sorted(it, key=lambda e: e.name)
         except OSError as exc:
-            raise SourceError(
-                f"{display_path(folder)}: cannot be listed ({exc.strerror or exc}); fix its "
-                "permissions or remove it"
-            ) from exc
+            raise unlistable(folder, exc) from exc
         entries = (self._entry(e) for e in found if not is_ignored_name(e.name))
         return [e for e in entries if e is not None]
 

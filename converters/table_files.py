@@ -40,6 +40,7 @@ from dlpipe.converters.source import (
     is_ignored_name,
     open_regular,
     raw_folder_of,
+    unlistable,
 )
 from dlpipe.converters.table_paths import (
     PROBE_ROWS,
@@ -109,10 +110,7 @@ def _visible(folder: str) -> list[str]:
     try:
         return sorted(n for n in os.listdir(folder) if not is_ignored_name(n))
     except OSError as exc:
-        raise SourceError(
-            f"{display_path(folder)}: cannot be listed ({exc.strerror or exc}); fix its "
-            "permissions or remove it"
-        ) from exc
+        raise unlistable(folder, exc) from exc
 
 
 def _is_real_folder(path: str) -> bool:

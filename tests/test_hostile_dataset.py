@@ -6,7 +6,6 @@ outcome: a named error, one ``error:`` line, the exit code, no traceback, nothin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -23,6 +22,7 @@ import lmdb
 import msgpack
 import pytest
 from conftest import FORMAT_NAMES, write_dataset
+from test_bad_input import resync_manifest as resync
 
 import dlpipe
 from dlpipe.cli import main
@@ -44,17 +44,6 @@ def load(path: str) -> dict:
 
 def save(path: str, data: dict) -> None:
     manifest_path(path).write_text(json.dumps(data))
-
-
-def resync(path: str) -> None:
-    """Make the manifest's bytes and sha256 agree with the shards, as a hostile writer would."""
-    data = load(path)
-    for split in data["splits"].values():
-        for shard in split["shards"]:
-            body = Path(path, shard["name"]).read_bytes()
-            shard["bytes"], shard["sha256"] = len(body), hashlib.sha256(body).hexdigest()
-        split["bytes"] = sum(s["bytes"] for s in split["shards"])
-    save(path, data)
 
 
 def one_error_line(err: str, *needles: str) -> str:
