@@ -6,11 +6,13 @@ orders them by the plan, so the output does not depend on which one ran.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
 import signal
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -55,18 +57,39 @@ def run_local(
         pending: set[Future[TaskResult]] = {
             pool.submit(write_task, source, task, config) for task in tasks
         }
-    with pool:
+    with pool, _ctrl_c_deferred() as interrupted:
         try:
             while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
                 for future in done:
                     yield future.result()
+                if interrupted():
+                    raise KeyboardInterrupt
         except BrokenProcessPool:
             raise _worker_died(config.out) from None
         finally:
             # the pool's own thread cancels what has not started: a future cancelled from
             # here races a worker crash in Python 3.11 (InvalidStateError, gh-107219)
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C sets a flag that the wait loop turns into KeyboardInterrupt between waits.
+
+    A KeyboardInterrupt raised inside ``concurrent.futures.wait`` can leave a future's lock
+    held, and the pool's shutdown then hangs for ever (its thread blocks cancelling that
+    future). Outside the main thread signals cannot be handled here: nothing is deferred.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield lambda: bool(caught)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _worker_died(out: str) -> DlpipeError:
