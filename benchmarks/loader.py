@@ -158,7 +158,7 @@ def decode_candidates() -> dict[str, Callable[[bytes], torch.Tensor]]:
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return v2_ops(decode_image(raw, mode=ImageReadMode.RGB))
 
-    from dlpipe.transforms import ImageTransform
+    from dlpipe.loading.transforms import ImageTransform
 
     dl = ImageTransform("train", SIZE, "jpg", seed=0)
     counter = iter(range(1 << 62))

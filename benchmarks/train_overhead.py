@@ -80,9 +80,9 @@ from machine import machine_info as shared_machine_info
 
 import dlpipe
 from dlpipe.cli import main as dlpipe_main
-from dlpipe.loader import make_loader
+from dlpipe.loading.loader import make_loader
+from dlpipe.loading.transforms import normalize
 from dlpipe.synthetic import SHAPE_CLASSES, synthetic_samples
-from dlpipe.transforms import normalize
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL = "resnet18"

@@ -1,12 +1,12 @@
-"""Benchmark: ``dlpipe.tune.bench_loader``'s search against an exhaustive grid.
+"""Benchmark: ``dlpipe.loading.tune.bench_loader``'s search against an exhaustive grid.
 
 On the photo-like JPEG corpus from ``benchmarks/corpus.py`` (default 800 images, cached under
 ``/tmp/dlpipe-bench-corpus/``), converted once to one format (hdf5 by default) with
 ``dlpipe convert``, this times
 
-1. the tuner: ``dlpipe.tune.bench_loader(BenchConfig(path, batch_size=64, image_size=224,
+1. the tuner: ``dlpipe.loading.tune.bench_loader(BenchConfig(path, batch_size=64, image_size=224,
    budget_s=B))`` (stage measurement + hill-climb of workers, then prefetch), and
-2. the exhaustive grid: ``dlpipe.tune.run_trial`` for every ``num_workers`` in 0..4 x
+2. the exhaustive grid: ``dlpipe.loading.tune.run_trial`` for every ``num_workers`` in 0..4 x
    ``prefetch_factor`` in {2, 4, 8} (prefetch only when workers > 0: 13 trials), each with
    the same per-trial seconds the tuner uses (``min(max(B / 10, 1), 10)``),
 
@@ -42,7 +42,7 @@ from common import convert_corpus, generated_line, log, met  # sibling script
 from corpus import DEFAULT_CORPUS, cached_corpus  # siblings
 from machine import machine_info as shared_machine_info
 
-from dlpipe.tune import BenchConfig, Trial, bench_loader, run_trial
+from dlpipe.loading.tune import BenchConfig, Trial, bench_loader, run_trial
 
 FORMATS = ("wds", "lmdb", "hdf5")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -53,7 +53,7 @@ GOAL_TIME = 0.25
 
 
 def trial_seconds(budget_s: float) -> float:
-    """The per-trial seconds `dlpipe.tune.search` uses for this budget."""
+    """The per-trial seconds `dlpipe.loading.tune.search` uses for this budget."""
     return min(max(budget_s / 10, 1.0), 10.0)
 
 
@@ -129,7 +129,7 @@ def markdown(result: dict[str, Any]) -> str:
     tuner, grid = result["tuner"], result["grid"]
 
     lines = [
-        "# `dlpipe.tune.bench_loader` against an exhaustive grid",
+        "# `dlpipe.loading.tune.bench_loader` against an exhaustive grid",
         "",
         generated_line(result),
         "",

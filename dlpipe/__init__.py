@@ -36,20 +36,26 @@ from dlpipe.formats import (
 )
 from dlpipe.formats.writer import DatasetWriter, ShardLimits
 from dlpipe.inspection import describe_dataset
+from dlpipe.loading.profile import (
+    LoaderProfile,
+    ProfileError,
+    ProfileSaveError,
+    find_profile,
+    save_profile,
+)
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
-from dlpipe.profile import LoaderProfile, ProfileError, ProfileSaveError, find_profile, save_profile
 from dlpipe.sample import Sample, check_key, escape_key, make_key, unescape_key
 from dlpipe.verify import CheckerError, Problem, VerifyReport, verify_dataset
 
 # these import torch: only on first use, so the CLI and converters start fast
 _LAZY = {
-    "DatasetChangedError": "dlpipe.dataset",
-    "MapDataset": "dlpipe.dataset",
-    "StreamDataset": "dlpipe.dataset",
-    "open_dataset": "dlpipe.dataset",
-    "EpochSampler": "dlpipe.sampler",
-    "make_loader": "dlpipe.loader",
-    "normalize": "dlpipe.transforms",
+    "DatasetChangedError": "dlpipe.loading.dataset",
+    "MapDataset": "dlpipe.loading.dataset",
+    "StreamDataset": "dlpipe.loading.dataset",
+    "open_dataset": "dlpipe.loading.dataset",
+    "EpochSampler": "dlpipe.loading.order",
+    "make_loader": "dlpipe.loading.loader",
+    "normalize": "dlpipe.loading.transforms",
 }
 
 

@@ -18,7 +18,7 @@ decoder allocates for it, and an image over `max_image_pixels()` is refused with
 limit defaults to Pillow's (`DEFAULT_MAX_IMAGE_PIXELS`, 89,478,485 pixels, about 9459 x 9459);
 ``DLPIPE_MAX_IMAGE_PIXELS=N`` in the environment (seen by every worker process) or
 `set_max_image_pixels` (this process, and loaders made after it) changes it. `decode_field`,
-the loader's decode (`dlpipe.transforms.decode_rgb`) and ``dlpipe convert`` all apply it.
+the loader's decode (`dlpipe.loading.transforms.decode_rgb`) and ``dlpipe convert`` all apply it.
 """
 
 from __future__ import annotations

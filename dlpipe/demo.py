@@ -129,8 +129,7 @@ def _convert_all(config: DemoConfig, raw: str, console: Console) -> tuple[Table,
 
 
 def _tune(config: DemoConfig, data: str, console: Console) -> Any:
-    from dlpipe.tune import BenchConfig, bench_loader
-    from dlpipe.tune_command import save_winner
+    from dlpipe.loading.tune import BenchConfig, bench_loader, save_winner
 
     bench = BenchConfig(
         path=data,

@@ -18,6 +18,7 @@ from typing import Any
 from rich.markup import escape
 
 from dlpipe import storage
+from dlpipe.machine import usable_cpus
 
 __all__ = ["Check", "GpuInfo", "Probe", "print_checks", "run_checks", "to_json"]
 
@@ -96,9 +97,7 @@ class Probe:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def cpu_count(self) -> int:
-        if hasattr(os, "sched_getaffinity"):
-            return len(os.sched_getaffinity(0))
-        return os.cpu_count() or 1
+        return usable_cpus()
 
     def shm_bytes(self) -> int | None:
         try:

@@ -13,12 +13,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from dlpipe.cli import non_negative_int, positive_float, positive_int
-from dlpipe.profile import ProfileSaveError
+from dlpipe.loading.profile import ProfileSaveError
 
 if TYPE_CHECKING:  # the tuner imports torch: only when the command runs
-    from dlpipe.tune import BenchReport, Trial
+    from dlpipe.loading.tune import BenchReport, Trial
 
-__all__ = ["add_bench_parser", "run_bench_loader", "save_winner"]
+__all__ = ["add_bench_parser", "run_bench_loader"]
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +47,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
-    from dlpipe.tune import BenchConfig, bench_loader
+    from dlpipe.loading.tune import BenchConfig, bench_loader, save_winner
 
     config = BenchConfig(
         path=args.data,
@@ -91,31 +91,6 @@ def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
         print(f"error: {failure}", file=sys.stderr)
         return 1
     return 0
-
-
-def save_winner(report: BenchReport) -> str:
-    """Save the best trial as the loader profile `make_loader` finds; returns where.
-
-    Raises:
-        ProfileSaveError: neither the dataset folder nor the user cache could be written.
-    """
-    from dlpipe.profile import LoaderProfile, loader_key, machine_key, save_profile
-
-    best, cfg = report.best, report.config
-    assert best is not None
-    from dlpipe._version import __version__
-
-    profile = LoaderProfile(
-        num_workers=best.num_workers,
-        prefetch_factor=best.prefetch_factor,
-        pin_memory=best.pin_memory,
-        persistent_workers=best.num_workers > 0,
-        samples_per_s=best.samples_per_s,
-        machine=machine_key(),
-        loader=loader_key(cfg.split, cfg.batch_size, cfg.transform, cfg.image_size),
-        created_by=__version__,
-    )
-    return save_profile(cfg.path, profile)
 
 
 def _print(report: BenchReport, console: Console, saved: str | None) -> None:

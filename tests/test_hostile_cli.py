@@ -28,12 +28,12 @@ from PIL import Image
 
 import dlpipe
 from dlpipe import codecs
-from dlpipe import profile as profiles
 from dlpipe.cli import main
 from dlpipe.codecs import ImageTooLargeError, PixelLimitError
 from dlpipe.converters.images import ImagePolicy, prepare_image
 from dlpipe.inspection import print_description
-from dlpipe.transforms import ImageTransform, decode_rgb
+from dlpipe.loading import profile as profiles
+from dlpipe.loading.transforms import ImageTransform, decode_rgb
 
 DLPIPE = str(Path(sys.executable).parent / "dlpipe")
 BOMB_SIDE = 20000  # 400 M pixels: 1.2 GB as RGB, about 50 KB as a 1-bit PNG

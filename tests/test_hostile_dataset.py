@@ -26,7 +26,7 @@ from test_bad_input import resync_manifest as resync
 
 import dlpipe
 from dlpipe.cli import main
-from dlpipe.dataset import DatasetChangedError
+from dlpipe.loading.dataset import DatasetChangedError
 
 Edit = Callable[[dict], object]
 

@@ -18,7 +18,7 @@ from test_train import COLOURS, COMMON, colour_samples, write_colours
 
 import dlpipe
 from dlpipe.cli import main
-from dlpipe.loader import LoaderStateError
+from dlpipe.loading.loader import LoaderStateError
 from dlpipe.train import checkpoint as ckpt
 
 TESTS = Path(__file__).resolve().parent

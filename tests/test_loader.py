@@ -7,7 +7,7 @@ import torch
 from conftest import FORMAT_NAMES
 
 import dlpipe
-from dlpipe.sampler import EpochSampler
+from dlpipe.loading.order import EpochSampler
 
 RANDOM_ACCESS = [f for f in FORMAT_NAMES if dlpipe.FORMATS[f].random_access]
 
@@ -107,7 +107,7 @@ def test_wds_with_fewer_shards_than_readers_says_so(tmp_path, samples) -> None:
 
 
 def test_wds_resume_seeks_past_finished_blocks(make_dataset) -> None:
-    from dlpipe.loader import _StreamView
+    from dlpipe.loading.loader import _StreamView
 
     ds = dlpipe.open_dataset(make_dataset("wds"))
     view = _StreamView(ds, None, shuffle=True, seed=3)
@@ -135,7 +135,7 @@ def test_workers_under_fork_and_spawn_give_every_sample_once(fmt, context, make_
 
 
 def _worker_pss(loader) -> int:
-    from dlpipe.tune import _worker_rss
+    from dlpipe.loading.tune import _worker_rss
 
     return _worker_rss()
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import dlpipe
-from dlpipe import profile as profiles
-from dlpipe.profile import LoaderProfile, ProfileError, find_profile, save_profile
+from dlpipe.loading import profile as profiles
+from dlpipe.loading.profile import LoaderProfile, ProfileError, find_profile, save_profile
 
 KEY = {"split": "train", "batch_size": 4, "transform": "train", "image_size": 24}
 
@@ -76,7 +76,7 @@ def test_a_different_machine_finds_nothing(make_dataset, monkeypatch, what) -> N
     if what == "gpu":
         monkeypatch.setattr(profiles, "gpu_name", lambda: "none")
     else:
-        monkeypatch.setattr(os, "cpu_count", lambda: 1000)
+        monkeypatch.setattr(profiles, "usable_cpus", lambda: 1000)
     assert find_profile(path, **KEY) is None
 
 

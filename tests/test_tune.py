@@ -8,8 +8,8 @@ import os
 import pytest
 
 import dlpipe
-from dlpipe import tune
 from dlpipe.cli import main
+from dlpipe.loading import tune
 
 QUICK = ["--budget", "2", "--max-workers", "2", "--batch-size", "8", "--image-size", "32"]
 

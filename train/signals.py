@@ -1,7 +1,7 @@
 """Stop signals: what SIGTERM, SIGINT and SIGHUP do to a training run.
 
 Slurm, systemd, a terminal's Ctrl-C and a closed terminal may signal the whole process group;
-the loader's workers ignore these signals (`dlpipe.loader`) and the main process decides:
+the loader's workers ignore these signals (`dlpipe.loading.loader`) and the main process decides:
 
 - during start-up (`startup_guard`), a stop signal ends the command with one line and exit
   code 128 + the signal's number: there is nothing to checkpoint yet;

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlpipe.errors import DlpipeError
+from dlpipe.loading.transforms import normalize
 from dlpipe.train.distributed import Distributed
 from dlpipe.train.metrics import EvalCounts, EvalResult
-from dlpipe.transforms import normalize
 
 __all__ = ["Precision", "StepResult", "StepRunner", "TrainingError", "resolve_precision"]
 

@@ -27,7 +27,7 @@ from rich.markup import escape
 from torch import nn
 
 from dlpipe.errors import SplitTooSmallError
-from dlpipe.loader import LoaderStateError, make_loader
+from dlpipe.loading.loader import LoaderStateError, make_loader
 from dlpipe.train import checkpoint as ckpt
 from dlpipe.train import preflight, runfolder
 from dlpipe.train.config import TrainConfig, plan_batches, to_toml

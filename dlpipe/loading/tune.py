@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,12 +24,23 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from dlpipe.dataset import open_dataset
+from dlpipe._version import __version__
 from dlpipe.errors import SplitTooSmallError
+from dlpipe.loading.dataset import open_dataset
+from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
+from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
+from dlpipe.machine import available_memory, usable_cpus
 from dlpipe.manifest import read_manifest
-from dlpipe.transforms import ImageTransform, decode_rgb, image_field
 
-__all__ = ["BenchConfig", "BenchReport", "StageRates", "Trial", "bench_loader", "verdict"]
+__all__ = [
+    "BenchConfig",
+    "BenchReport",
+    "StageRates",
+    "Trial",
+    "bench_loader",
+    "save_winner",
+    "verdict",
+]
 
 _MEMORY_SHARE = 0.8
 
@@ -48,7 +58,7 @@ class BenchConfig:
     seed: int = 0
 
     def worker_limit(self) -> int:
-        return self.max_workers if self.max_workers is not None else 2 * (os.cpu_count() or 1)
+        return self.max_workers if self.max_workers is not None else 2 * usable_cpus()
 
 
 @dataclass(frozen=True)
@@ -173,18 +183,6 @@ def _worker_rss() -> int:
     return total
 
 
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes), or the physical memory elsewhere."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
 def _batches(loader: Any) -> Iterator[Any]:
     while True:  # small datasets: keep going, epoch after epoch
         count = 0
@@ -199,7 +197,7 @@ def _batches(loader: Any) -> Iterator[Any]:
 
 def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
     """Measure one setting: warm up, then windows until the rate is stable."""
-    from dlpipe.loader import make_loader
+    from dlpipe.loading.loader import make_loader
 
     loader = make_loader(
         config.path,
@@ -277,7 +275,7 @@ def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None)
         return trial
 
     best: Trial | None = None
-    worse, cores = 0, os.cpu_count() or 1
+    worse, cores = 0, usable_cpus()
     for workers in _worker_counts(config.worker_limit()):
         trial = run(Trial(workers, 2 if workers else None, False))
         if trial.skipped:
@@ -348,6 +346,27 @@ def bench_loader(
     measured = [t for t in report.trials if not t.skipped]
     report.best = max(measured, key=lambda t: t.samples_per_s)
     report.bottleneck, report.advice = verdict(
-        stages, report.best, os.cpu_count() or 1, config.image_size
+        stages, report.best, usable_cpus(), config.image_size
     )
     return report
+
+
+def save_winner(report: BenchReport) -> str:
+    """Save the best trial as the loader profile `make_loader` finds; returns where.
+
+    Raises:
+        ProfileSaveError: neither the dataset folder nor the user cache could be written.
+    """
+    best, cfg = report.best, report.config
+    assert best is not None
+    profile = LoaderProfile(
+        num_workers=best.num_workers,
+        prefetch_factor=best.prefetch_factor,
+        pin_memory=best.pin_memory,
+        persistent_workers=best.num_workers > 0,
+        samples_per_s=best.samples_per_s,
+        machine=machine_key(),
+        loader=loader_key(cfg.split, cfg.batch_size, cfg.transform, cfg.image_size),
+        created_by=__version__,
+    )
+    return save_profile(cfg.path, profile)

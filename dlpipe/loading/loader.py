@@ -7,12 +7,12 @@
 
 Random-access formats (lmdb, hdf5) go through `EpochSampler`: seeded per epoch, exact per rank,
 resumable without re-reading skipped samples. The streaming format (wds) gives each rank and
-worker whole shards (`dlpipe.dataset.StreamDataset`).
+worker whole shards (`dlpipe.loading.dataset.StreamDataset`).
 
 Worker settings: explicit ``num_workers=``, ``prefetch_factor=``, ``pin_memory=`` win; then a
 profile measured by ``dlpipe bench-loader`` for this dataset, machine and call
-(`dlpipe.profile`, found with ``profile="auto"``); otherwise a sensible default (all cores but
-one, prefetch 2, pinned memory when CUDA is there).
+(`dlpipe.loading.profile`, found with ``profile="auto"``); otherwise a sensible default (all
+usable cores but one, prefetch 2, pinned memory when CUDA is there).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ import torch
 import torch.utils.data
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from dlpipe.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
 from dlpipe.errors import DlpipeError
+from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
+from dlpipe.loading.order import EpochSampler
+from dlpipe.loading.profile import LoaderProfile, select_profile
+from dlpipe.loading.transforms import ImageTransform, image_field
+from dlpipe.machine import usable_cpus
 from dlpipe.processes import stop_signals_blocked
-from dlpipe.profile import LoaderProfile, select_profile
 from dlpipe.sample import KEY_FIELD, Sample
-from dlpipe.sampler import EpochSampler
-from dlpipe.transforms import ImageTransform, image_field
 
 __all__ = ["LoaderStateError", "make_loader", "saved_num_workers"]
 
@@ -318,7 +319,7 @@ def make_loader(
         num_workers = chosen.num_workers if num_workers is None else num_workers
         prefetch_factor = chosen.prefetch_factor if prefetch_factor is None else prefetch_factor
         pin_memory = chosen.pin_memory if pin_memory is None else pin_memory
-    workers = max(1, (os.cpu_count() or 1) - 1) if num_workers is None else num_workers
+    workers = max(1, usable_cpus() - 1) if num_workers is None else num_workers
     options: dict[str, Any] = {
         "batch_size": batch_size,
         "num_workers": workers,

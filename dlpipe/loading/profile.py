@@ -35,6 +35,7 @@ from typing import Any
 from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.errors import DlpipeError
+from dlpipe.machine import usable_cpus
 from dlpipe.manifest import PROFILES_NAME
 
 __all__ = [
@@ -132,7 +133,7 @@ def machine_key() -> dict[str, Any]:
     """What a profile's settings depend on: CPU count, GPU model and torch version."""
     import torch
 
-    return {"cpus": os.cpu_count(), "gpu": gpu_name(), "torch": torch.__version__.split("+")[0]}
+    return {"cpus": usable_cpus(), "gpu": gpu_name(), "torch": torch.__version__.split("+")[0]}
 
 
 def transform_name(transform: str | Callable[..., Any] | None, split: str) -> str:

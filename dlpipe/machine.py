@@ -1,0 +1,32 @@
+"""Machine facts every room sizes itself by: usable CPUs, available memory.
+
+The CPU count is the process's affinity mask where the platform has one (a CPU-limited
+container or ``taskset`` shows fewer cores than ``os.cpu_count()``), so "all cores but one"
+never oversubscribes. `doctor`, the converter, the loader, the tuner and the profile key all
+ask here.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["available_memory", "usable_cpus"]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), or the physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
