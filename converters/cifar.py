@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from dlpipe.converters.raw_tree import Listings
 from dlpipe.converters.source import (
     Item,
     SampleError,
@@ -125,7 +126,7 @@ class CifarSource(Source):
     kind = "cifar"
 
     @classmethod
-    def detect(cls, root: str) -> bool:
+    def detect(cls, root: str, listings: Listings | None = None) -> bool:
         """True when `root` is, or holds, an unpacked CIFAR-10 or CIFAR-100 python folder."""
         return bool(_find(root))
 

@@ -22,11 +22,10 @@ import itertools
 import os
 from collections import defaultdict
 
+from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree
 from dlpipe.converters.source import (
     SPLIT_NAMES,
     Item,
-    RawEntry,
-    RawTree,
     SampleError,
     Scan,
     Source,
@@ -49,13 +48,14 @@ class FilesSource(Source):
     kind = "files"
 
     @classmethod
-    def detect(cls, root: str) -> bool:
-        """Files that share stems with several extensions (a folder of class folders is not)."""
+    def detect(cls, root: str, listings: Listings | None = None) -> bool:
+        """Files that share stems with several extensions (a folder of class folders is not);
+        looks at the first 2,000 files, keeping the listings made for the scan."""
         if not os.path.isdir(root):
             return False
         stems: dict[str, set[str]] = defaultdict(set)
         try:
-            for entry in itertools.islice(RawTree(root).files(root), 2000):
+            for entry in itertools.islice(RawTree(root, listings).files(root, keep=True), 2000):
                 stem, _, ext = entry.name.partition(".")
                 stems[os.path.join(os.path.dirname(entry.path), stem)].add(ext)
         except SourceError:
@@ -70,7 +70,7 @@ class FilesSource(Source):
         return {None: self.root}
 
     def scan(self) -> Scan:
-        tree = RawTree(self.root)
+        tree = RawTree(self.root, self.take_listings())
         classes = self._classes()
         items: list[Item] = []
         for split, folder in self._split_folders(tree).items():

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import os
 
+from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree
 from dlpipe.converters.source import (
     SPLIT_NAMES,
     Item,
-    RawEntry,
-    RawTree,
     Scan,
     Source,
     SourceError,
@@ -45,39 +44,44 @@ __all__ = ["ImageFolderSource"]
 
 def _class_folders(tree: RawTree, folder: str) -> list[RawEntry]:
     """The class folders of `folder`: its visible real folders that are not datasets."""
-    found = []
-    for entry in tree.folders(folder):
-        if os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)):
-            tree.skip(entry.path, f"a prepared dataset ({MANIFEST_NAME}), not a class")
-        else:
-            found.append(entry)
-    return found
+    return [entry for entry in tree.folders(folder) if _is_class_folder(tree, entry)]
+
+
+def _is_class_folder(tree: RawTree, entry: RawEntry) -> bool:
+    """False (one skipped entry) for a folder holding a prepared dataset."""
+    if os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)):
+        tree.skip(entry.path, f"a prepared dataset ({MANIFEST_NAME}), not a class")
+        return False
+    return True
 
 
 class ImageFolderSource(Source):
     kind = "imagefolder"
 
     @classmethod
-    def detect(cls, root: str) -> bool:
+    def detect(cls, root: str, listings: Listings | None = None) -> bool:
+        """True when `root` has one class folder (only its own listing is made, and kept)."""
         if not os.path.isdir(root):
             return False
         try:
-            return bool(_class_folders(RawTree(root), root))
+            tree = RawTree(root, listings)
+            return any(_is_class_folder(tree, entry) for entry in tree.folders(root))
         except SourceError:
             return False
 
-    def split_roots(self, tree: RawTree | None = None) -> dict[str | None, str]:
-        """Split name → folder; ``{None: root}`` when the root is one class tree."""
-        subdirs = {e.name: e for e in _class_folders(tree or RawTree(self.root), self.root)}
+    def split_roots(self, tree: RawTree | None = None) -> dict[str | None, list[RawEntry]]:
+        """Split name → its class folders; ``{None: ...}`` when the root is one class tree."""
+        tree = tree or RawTree(self.root)
+        top = _class_folders(tree, self.root)
+        subdirs = {e.name: e for e in top}
         named = {SPLIT_NAMES[d]: d for d in sorted(subdirs) if d in SPLIT_NAMES}
         if "train" in named and len(named) > 1:
-            return {split: subdirs[d].path for split, d in named.items()}
-        return {None: self.root}
+            return {split: _class_folders(tree, subdirs[d].path) for split, d in named.items()}
+        return {None: top}
 
     def scan(self) -> Scan:
-        tree = RawTree(self.root)
-        roots = self.split_roots(tree)
-        tops = {split: _class_folders(tree, folder) for split, folder in roots.items()}
+        tree = RawTree(self.root, self.take_listings())
+        tops = self.split_roots(tree)
         classes = sorted({
             display_path(e.name) for entries in tops.values() for e in entries
         })  # fmt: skip
@@ -93,7 +97,8 @@ class ImageFolderSource(Source):
                 if not tree.claim(entry):
                     continue
                 label = index[display_path(entry.name)]
-                found, skipped = self._scan_class(tree, roots[split], entry, label, split)
+                split_folder = os.path.dirname(entry.path)
+                found, skipped = self._scan_class(tree, split_folder, entry, label, split)
                 items += found
                 ignored += skipped
         self._check_empty(classes, {it.label for it in items}, tops)

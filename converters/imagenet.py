@@ -36,9 +36,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dlpipe.converters.matfile import read_struct_rows
+from dlpipe.converters.raw_tree import Listings, RawTree
 from dlpipe.converters.source import (
     Item,
-    RawTree,
     SampleError,
     Scan,
     Source,
@@ -214,7 +214,7 @@ class ImageNetSource(Source):
     kind = "imagenet"
 
     @classmethod
-    def detect(cls, root: str) -> bool:
+    def detect(cls, root: str, listings: Listings | None = None) -> bool:
         """True when `root` has the Kaggle LOC files or the devkit folder beside train/ or val/."""
         layout = _find_layout(root)
         return layout is not None and any(
@@ -236,7 +236,7 @@ class ImageNetSource(Source):
             val_labels = _devkit_val_labels(self.root, layout.labels_file, id_to_wnid)
         classes = tuple(sorted(names))
         index = {wnid: i for i, wnid in enumerate(classes)}
-        tree = RawTree(self.root)
+        tree = RawTree(self.root, self.take_listings())
         train, ignored = self._train_items(tree, layout, index)
         val, val_ignored = self._val_items(tree, layout, index, val_labels)
         description = {

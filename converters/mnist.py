@@ -29,6 +29,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
+from dlpipe.converters.raw_tree import Listings
 from dlpipe.converters.source import (
     Item,
     SampleError,
@@ -133,7 +134,12 @@ class MnistSource(Source):
     kind = "mnist"
 
     def __init__(
-        self, root: str, options: SourceOptions | None = None, *, fashion: bool | None = None
+        self,
+        root: str,
+        options: SourceOptions | None = None,
+        *,
+        fashion: bool | None = None,
+        listings: Listings | None = None,
     ) -> None:
         """A source over the IDX files at `root`.
 
@@ -141,12 +147,13 @@ class MnistSource(Source):
             root: the folder holding the IDX files (or their ``raw/`` folder).
             options: unused; MNIST has no columns to name.
             fashion: Fashion-MNIST class names; None decides from ``fashion`` in the path.
+            listings: unused; MNIST's files are looked up by name.
         """
-        super().__init__(root, options)
+        super().__init__(root, options, listings=listings)
         self.fashion = "fashion" in self.root.lower() if fashion is None else fashion
 
     @classmethod
-    def detect(cls, root: str) -> bool:
+    def detect(cls, root: str, listings: Listings | None = None) -> bool:
         """True when `root` (or ``root/raw``) holds an MNIST images file, plain or gzipped."""
         return any(
             _find_file(folder, f"{prefix}-images-idx3-ubyte")

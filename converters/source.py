@@ -43,20 +43,20 @@ import logging
 import os
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from dlpipe import storage
 from dlpipe.errors import DlpipeError
+
+if TYPE_CHECKING:
+    from dlpipe.converters.raw_tree import Listings
 
 __all__ = [
     "IGNORED_NAMES",
     "IMAGE_SUFFIXES",
     "SPLIT_NAMES",
     "Item",
-    "RawEntry",
-    "RawTree",
     "SampleError",
     "Scan",
     "Source",
@@ -162,9 +162,22 @@ class Source(ABC):
 
     kind: ClassVar[str]
 
-    def __init__(self, root: str, options: SourceOptions | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        options: SourceOptions | None = None,
+        *,
+        listings: Listings | None = None,
+    ) -> None:
         self.root = os.path.abspath(root)
         self.options = options or SourceOptions()
+        self._listings = listings
+
+    def take_listings(self) -> Listings | None:
+        """The folder listings detection made, handed to the scan once (so no folder is listed
+        twice, and none travels with the source into worker processes)."""
+        listings, self._listings = self._listings, None
+        return listings
 
     @functools.cached_property
     def raw_folder(self) -> str:
@@ -173,8 +186,13 @@ class Source(ABC):
 
     @classmethod
     @abstractmethod
-    def detect(cls, root: str) -> bool:
-        """True when `root` has this source's layout (checked by names only)."""
+    def detect(cls, root: str, listings: Listings | None = None) -> bool:
+        """True when `root` has this source's layout (checked by names only).
+
+        Args:
+            root: the raw folder or file.
+            listings: where a source that lists folders keeps its listings for the scan.
+        """
 
     @abstractmethod
     def scan(self) -> Scan:
@@ -295,120 +313,6 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
             raise SampleError(
                 f"{display_path(path)}: cannot be read ({exc.strerror or exc})"
             ) from exc
-
-
-@dataclass(frozen=True)
-class RawEntry:
-    """A regular file or a real folder found in a raw folder (any link already checked)."""
-
-    name: str
-    path: str  # as found: a link's own path for a followed file link
-    is_dir: bool
-    size: int
-    ident: tuple[int, int]  # (st_dev, st_ino) of the file or folder itself
-
-
-_MAX_EXAMPLES = 20
-
-
-class RawTree:
-    """Lists a raw folder by the rule in the module docstring, recording every skipped entry."""
-
-    def __init__(self, root: str) -> None:
-        self.folder = os.path.realpath(root)
-        self.skipped: dict[str, str] = {}  # shown path -> reason, in the order found
-        try:
-            info = os.stat(self.folder)
-        except OSError as exc:
-            raise SourceError(f"{display_path(root)}: cannot be read ({exc.strerror})") from exc
-        self._seen: set[tuple[int, int]] = {(info.st_dev, info.st_ino)}
-
-    def skip(self, path: str, reason: str) -> None:
-        """Record one entry that is not read, and why."""
-        self.skipped.setdefault(display_path(path), reason)
-
-    def listing(self, folder: str) -> list[RawEntry]:
-        """The visible regular files and real folders of `folder`, sorted by name.
-
-        Raises:
-            SourceError: `folder` cannot be listed (a class would silently lose its images).
-        """
-        try:
-            with os.scandir(folder) as it:
-                found = sorted(it, key=lambda e: e.name)
-        except OSError as exc:
-            raise unlistable(folder, exc) from exc
-        entries = (self._entry(e) for e in found if not is_ignored_name(e.name))
-        return [e for e in entries if e is not None]
-
-    def _entry(self, entry: os.DirEntry[str]) -> RawEntry | None:
-        try:
-            if entry.is_symlink():
-                return self._link(entry)
-            info = entry.stat(follow_symlinks=False)
-        except OSError as exc:
-            self.skip(entry.path, f"cannot be read ({exc.strerror or exc})")
-            return None
-        if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
-            self.skip(entry.path, storage.file_kind(info.st_mode))
-            return None
-        ident = (info.st_dev, info.st_ino)
-        return RawEntry(entry.name, entry.path, stat.S_ISDIR(info.st_mode), info.st_size, ident)
-
-    def _link(self, entry: os.DirEntry[str]) -> RawEntry | None:
-        problem = file_problem(entry.path, self.folder)
-        if problem == "a folder":
-            problem = "a link to a folder (folder links are not followed)"
-        if problem is not None:
-            self.skip(entry.path, problem)
-            return None
-        try:
-            info = os.stat(entry.path)
-        except OSError as exc:  # replaced since the check
-            self.skip(entry.path, f"cannot be read ({exc.strerror or exc})")
-            return None
-        return RawEntry(entry.name, entry.path, False, info.st_size, (info.st_dev, info.st_ino))
-
-    def claim(self, folder: RawEntry) -> bool:
-        """Mark a real folder as scanned; False (one skipped entry) when it already was."""
-        if folder.ident in self._seen:
-            self.skip(folder.path, "a second name for a folder already scanned (a mount loop)")
-            return False
-        self._seen.add(folder.ident)
-        return True
-
-    def folders(self, folder: str) -> list[RawEntry]:
-        """The visible real folders of `folder`, sorted (files in it are not looked at)."""
-        return [e for e in self.listing(folder) if e.is_dir]
-
-    def files(self, top: str) -> Iterator[RawEntry]:
-        """Every regular file below the folder `top`, each real folder once, sorted per folder."""
-        stack = [top]
-        while stack:
-            folder = stack.pop()
-            subfolders = []
-            for entry in self.listing(folder):
-                if not entry.is_dir:
-                    yield entry
-                elif self.claim(entry):
-                    subfolders.append(entry.path)
-            stack.extend(reversed(subfolders))
-
-    def report(self) -> dict[str, Any]:
-        """The skipped entries for a scan description (count and the first 20), logged once."""
-        skipped = list(self.skipped.items())
-        if skipped:
-            shown = "; ".join(f"{path} ({why})" for path, why in skipped[:3])
-            more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-            log.warning(
-                "%s: skipped %d entries that are not regular files inside the raw folder: %s%s",
-                display_path(self.folder),
-                len(skipped),
-                shown,
-                more,
-            )
-        examples = [{"path": p, "reason": r} for p, r in skipped[:_MAX_EXAMPLES]]
-        return {"skipped_entries": len(skipped), "skipped_examples": examples}
 
 
 def image_kind_of_bytes(data: bytes) -> str:

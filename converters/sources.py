@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 
+from dlpipe.converters.raw_tree import Listings
 from dlpipe.converters.source import (
     IMAGE_SUFFIXES,
     Source,
@@ -58,7 +59,7 @@ def _table_beside_others(root: str) -> bool:
     return TableSource.label_table(root) is not None
 
 
-def _warn_if_ambiguous(root: str, chosen: str) -> None:
+def _warn_if_ambiguous(root: str, chosen: str, listings: Listings) -> None:
     """A warning naming the chosen layout, why, and the ``--source`` of each other match."""
     if chosen == "table" and not (os.path.isdir(root) and _table_beside_others(root)):
         return  # a table file, or a folder of nothing but tables
@@ -66,7 +67,8 @@ def _warn_if_ambiguous(root: str, chosen: str) -> None:
     others = [
         kind
         for kind in later
-        if kind not in _SPECIAL_CASE_OF.get(chosen, ()) and _source_class(kind).detect(root)
+        if kind not in _SPECIAL_CASE_OF.get(chosen, ())
+        and _source_class(kind).detect(os.path.abspath(root), listings)
     ]
     if not others:
         return
@@ -135,13 +137,15 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
                 f"--source {kind!r} is unknown; choose from {', '.join(SOURCE_KINDS)}"
             )
         return _source_class(kind)(root, options)
+    listings = Listings()  # what detection lists, the scan reuses: each folder listed once
+    absolute = os.path.abspath(root)
     for name in SOURCE_KINDS:
         cls = _source_class(name)
-        if cls.detect(root):
-            _warn_if_ambiguous(root, name)
+        if cls.detect(absolute, listings):
+            _warn_if_ambiguous(root, name, listings)
             if name in ("imagefolder", "imagenet"):
                 _warn_of_loose_images(root)
-            return cls(root, options)
+            return cls(root, options, listings=listings)
     raise SourceError(
         f"{display_path(root)}: cannot tell its layout (none of {', '.join(SOURCE_KINDS)} "
         "matches: expected class folders of images, a CSV/JSONL/Parquet table, key.ext "

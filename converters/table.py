@@ -70,6 +70,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from dlpipe.converters.raw_tree import Listings
 from dlpipe.converters.source import (
     Item,
     SampleError,
@@ -296,7 +297,7 @@ class TableSource(Source):
     kind = "table"
 
     @classmethod
-    def detect(cls, root: str) -> bool:
+    def detect(cls, root: str, listings: Listings | None = None) -> bool:
         """True for a table file, a folder of nothing but table files (or ``data/`` of them), or
         a folder whose top holds one table with an image and a label column (`label_table`)."""
         if os.path.isfile(root):
