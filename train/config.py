@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import tomli_w
+
 from dlpipe.errors import DlpipeError
 
 if sys.version_info >= (3, 11):
@@ -302,22 +304,14 @@ def _typed(value: Any, spec: dataclasses.Field[Any], what: str) -> Any:
 
 
 def to_toml(config: TrainConfig) -> str:
-    """The configuration as TOML (unset optional values are written as comments)."""
-    lines: list[str] = []
+    """The configuration as TOML (written by ``tomli_w``; unset optional values, which TOML
+    cannot hold, are listed as comments at the end of their section)."""
+    blocks = []
     for section, items in config.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in items.items():
-            if value is None:
-                lines.append(f"# {key} = (unset)")
-            elif isinstance(value, bool):
-                lines.append(f"{key} = {'true' if value else 'false'}")
-            elif isinstance(value, str):
-                escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-                lines.append(f'{key} = "{escaped}"')
-            else:
-                lines.append(f"{key} = {value!r}")
-        lines.append("")
-    return "\n".join(lines)
+        text = tomli_w.dumps({section: {k: v for k, v in items.items() if v is not None}})
+        unset = "".join(f"# {key} = (unset)\n" for key, value in items.items() if value is None)
+        blocks.append(text + unset)
+    return "\n".join(blocks)
 
 
 def _require(condition: bool, message: str) -> None:
