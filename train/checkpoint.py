@@ -41,6 +41,7 @@ __all__ = [
     "newest_checkpoint",
     "prune_checkpoints",
     "remove_temp_files",
+    "reseed_rng",
     "rng_state",
     "save_checkpoint",
     "set_aside_newer",
@@ -49,13 +50,13 @@ __all__ = [
 ]
 
 FORMAT = "dlpipe-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the trainer's counters and early stopping as their own state dicts
 BEST_NAME = "best.pt"
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
 _TEMP_FILE = re.compile(r"^(step-\d{8,}\.pt|\.best\.pt)\.tmp-\d+$")  # save_checkpoint's
 REQUIRED_KEYS = (
-    "step", "epoch", "model", "optimizer", "scheduler", "runner", "trainer", "world_size",
-    "classes", "ranks",
+    "step", "epoch", "model", "optimizer", "scheduler", "runner", "trainer", "early_stop",
+    "world_size", "global_batch", "classes", "ranks",
 )  # fmt: skip
 
 
@@ -114,9 +115,13 @@ def load_checkpoint(path: str, *, mmap: bool = False) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a dlpipe checkpoint (no format {FORMAT!r})")
-    if state.get("version") != VERSION:
+    version = state.get("version")
+    if version != VERSION:
+        was = "an older" if isinstance(version, int) and version < VERSION else "another"
         raise CheckpointError(
-            f"checkpoint {path} has version {state.get('version')}, this dlpipe reads {VERSION}"
+            f"checkpoint {path} has version {version}, written by {was} dlpipe; this dlpipe "
+            f"reads version {VERSION} only: finish that run with the dlpipe that wrote it, or "
+            "start afresh in another --out"
         )
     missing = [key for key in REQUIRED_KEYS if key not in state]
     if missing:
@@ -173,13 +178,37 @@ def check_same_optimizer(
     )
 
 
-def check_resumable(state: dict[str, Any], path: str, world_size: int, classes: list[str]) -> None:
-    """Refuse a checkpoint this run cannot continue exactly."""
-    if state["world_size"] != world_size:
+def check_resumable(
+    state: Mapping[str, Any],
+    path: str,
+    classes: list[str],
+    *,
+    world_size: int,
+    global_batch: int,
+    elastic: bool,
+) -> None:
+    """Refuse a checkpoint this run cannot continue exactly.
+
+    Args:
+        state, path: the checkpoint.
+        classes: the dataset's class names.
+        world_size, global_batch: this run's ranks and samples per optimizer step.
+        elastic: the dataset's order resumes on another world size (random-access formats:
+            global step s holds the same samples on 1 or N ranks); a stream (wds) deals whole
+            shards to ranks, so it resumes only on the same count.
+    """
+    if state["global_batch"] != global_batch:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with a global batch of {state['global_batch']}, "
+            f"this run has {global_batch}; the data position and the schedule resume exactly "
+            f"only with the same global batch: resume with --batch-size {state['global_batch']}"
+        )
+    if state["world_size"] != world_size and not elastic:
         raise CheckpointError(
             f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
-            f"{world_size}; resuming the data order exactly needs the same count: run with "
-            f"--nproc-per-node {state['world_size']} (or --resume none)"
+            f"{world_size}; a streaming (wds) dataset deals whole shards to each rank, so "
+            f"another rank count would read other samples: run with --nproc-per-node "
+            f"{state['world_size']} (or convert to lmdb or hdf5, whose runs resume on any count)"
         )
     if list(state["classes"]) != list(classes):
         raise CheckpointError(
@@ -310,6 +339,17 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
+
+
+def reseed_rng(seed: int, step: int, rank: int) -> None:
+    """Seed every RNG stream from (seed, step, rank): a run resumed on another world size
+    has no saved stream for each rank (data augmentation does not use them: it is seeded per
+    sample), so each rank gets a distinct stream that a repeat of the same resume repeats."""
+    entropy = np.random.SeedSequence([seed, step, rank]).generate_state(2)
+    value = int(entropy[0]) << 32 | int(entropy[1])
+    random.seed(value)
+    np.random.seed(int(entropy[0]))
+    torch.manual_seed(value)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

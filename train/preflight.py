@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from dlpipe.codecs import IMAGE_EXTENSIONS
 from dlpipe.errors import DlpipeError
+from dlpipe.formats import get_format
 from dlpipe.manifest import Manifest, read_manifest
 from dlpipe.train import checkpoint as ckpt
 from dlpipe.train.config import TrainConfig
@@ -111,9 +112,25 @@ def check_run_folder(config: TrainConfig) -> None:
 
 
 def check_checkpoint(
-    state: dict[str, Any], path: str, model: nn.Module, optimizer: Optimizer, config: TrainConfig
+    state: dict[str, Any],
+    path: str,
+    model: nn.Module,
+    optimizer: Optimizer,
+    config: TrainConfig,
+    manifest: Manifest,
+    world_size: int,
 ) -> None:
-    """Refuse a checkpoint of another model or optimizer (naming the first mismatch)."""
+    """Refuse a checkpoint this run cannot continue exactly: another model or optimizer,
+    dataset classes or global batch, or another world size on a streaming dataset (naming
+    the first mismatch). Another world size on lmdb or hdf5 resumes (elastic)."""
+    ckpt.check_resumable(
+        state,
+        path,
+        list(manifest.classes),
+        world_size=world_size,
+        global_batch=config.run.batch_size,
+        elastic=get_format(manifest.format).random_access,
+    )
     ckpt.check_same_model(state, path, ckpt.strip_prefixes(model.state_dict()))
     ckpt.check_same_optimizer(state, path, config.optim.optimizer, optimizer)
 
@@ -133,8 +150,8 @@ def preflight(config: TrainConfig, world_size: int, warn: Callable[[str], None])
     found = _resume_target(config)
     if found is not None:
         path, state = found
-        ckpt.check_resumable(state, path, world_size, list(manifest.classes))
-        check_checkpoint(state, path, model, build_optimizer(model, config.optim), config)
+        optimizer = build_optimizer(model, config.optim)
+        check_checkpoint(state, path, model, optimizer, config, manifest, world_size)
 
 
 def _resume_target(config: TrainConfig) -> tuple[str, dict[str, Any]] | None:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlpipe.errors import DlpipeError
+from dlpipe.loading.state import require_fields
 from dlpipe.loading.transforms import normalize
 from dlpipe.train.distributed import Distributed
 from dlpipe.train.metrics import EvalCounts, EvalResult
@@ -108,12 +109,15 @@ class StepRunner:
         self.stop_requested = False  # set from a signal handler
 
     def state_dict(self) -> dict[str, Any]:
+        """The GradScaler (empty without fp16) and the micro-batch backoff (`splits`)."""
         return {"scaler": self.scaler.state_dict(), "splits": self.splits}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        self.splits = int(state["splits"])
+        """Restore a `state_dict`; the backoff stays (the same memory needs the same cut)."""
+        saved = require_fields(state, ("scaler", "splits"), "step runner")
+        if saved["scaler"]:
+            self.scaler.load_state_dict(dict(saved["scaler"]))
+        self.splits = int(saved["splits"])
 
     def run(self, batches: list[Batch]) -> StepResult:
         """One optimizer step over this rank's `batches`, retried smaller on out-of-memory."""

@@ -28,9 +28,11 @@ from torch import nn
 
 from dlpipe.errors import SplitTooSmallError
 from dlpipe.loading.loader import LoaderStateError, make_loader
+from dlpipe.loading.state import StateMismatchError
 from dlpipe.train import checkpoint as ckpt
 from dlpipe.train import preflight, runfolder
 from dlpipe.train.config import TrainConfig, plan_batches, to_toml
+from dlpipe.train.counters import EarlyStopping, RunCounters
 from dlpipe.train.distributed import init_distributed, watch_parent
 from dlpipe.train.metrics import EvalResult
 from dlpipe.train.models import build_model, unwrap
@@ -124,14 +126,8 @@ class Trainer:
             channels_last=m.channels_last,
             on_backoff=self._backed_off,
         )
-        self.step, self.epoch = 0, 0
-        self.stats = EpochStats()
-        self.best_top1: float | None = None
-        self.best_val_loss: float | None = None
-        self.stale_epochs = 0
-        self.bad_steps = 0
-        self.skipped_steps = 0
-        self.history: list[dict[str, Any]] = []
+        self.counters = RunCounters()
+        self.early_stop = EarlyStopping(r.early_stop_patience)
         self.signals = StopSignals(self._stop_requested)
         self.phase = "step 1"  # what runs now, for messages
         self.logger = RunLogger(
@@ -177,7 +173,7 @@ class Trainer:
         self._announce()
         self._resume()
         r = self.config.run
-        if self.epoch >= r.epochs:
+        if self.counters.epoch >= r.epochs:
             self.console.print(
                 f"the run in {escape(self.run_dir)} is already complete ({r.epochs} epochs)"
             )
@@ -185,7 +181,7 @@ class Trainer:
         self.signals.install()
         path = None
         try:
-            while self.epoch < r.epochs:
+            while self.counters.epoch < r.epochs:
                 stopped = self._train_epoch()
                 if stopped:
                     path = self._save(stopped)
@@ -196,7 +192,8 @@ class Trainer:
                 path = self._save("epoch", best=self._is_best(result))
                 if early:
                     self.console.print(
-                        f"early stop: val loss has not improved for {self.stale_epochs} epochs"
+                        "early stop: val loss has not improved for "
+                        f"{self.early_stop.stale_epochs} epochs"
                     )
                     return self._summary("early_stop", path)
             return self._summary("completed", path)
@@ -209,22 +206,22 @@ class Trainer:
         self.forward_model.train()
         batches = iter(self.train_loader)
         while True:
-            if r.max_steps is not None and self.step >= r.max_steps:
+            if r.max_steps is not None and self.counters.step >= r.max_steps:
                 return "max_steps"
             start = time.perf_counter()
             taken = _take(batches, self.plan.accumulation)
             fetched = time.perf_counter()
             if not taken:
                 return None
-            self.phase = f"step {self.step + 1}"
+            self.phase = f"step {self.counters.step + 1}"
             result = self.runner.run(taken)
-            self.step += 1
-            self.stats.add(result, fetched - start, time.perf_counter() - start)
+            self.counters.step += 1
+            self.counters.stats.add(result, fetched - start, time.perf_counter() - start)
             self._after_step(result)
             if result.stop:
                 return "signal"
             every = r.checkpoint_every_steps
-            if every and self.step % every == 0:
+            if every and self.counters.step % every == 0:
                 self._save("interval")
 
     def _after_step(self, result: StepResult) -> None:
@@ -232,11 +229,12 @@ class Trainer:
         finite = math.isfinite(result.loss) and (
             result.grad_norm is None or math.isfinite(result.grad_norm)
         )
-        self.skipped_steps += result.skipped
-        self.bad_steps = 0 if finite and not result.skipped else self.bad_steps + 1
-        if self.step % r.log_every_steps == 0 or self.step == 1:
+        self.counters.skipped_steps += result.skipped
+        bad = not finite or result.skipped
+        self.counters.bad_steps = self.counters.bad_steps + 1 if bad else 0
+        if self.counters.step % r.log_every_steps == 0 or self.counters.step == 1:
             self._log().step(
-                self.step,
+                self.counters.step,
                 {
                     "loss": result.loss,
                     "lr": self.optimizer.param_groups[0]["lr"],
@@ -244,12 +242,13 @@ class Trainer:
                     "samples": result.samples,
                 },
             )
-        if self.bad_steps >= r.max_nonfinite_steps:
+        if self.counters.bad_steps >= r.max_nonfinite_steps:
             latest = ckpt.list_checkpoints(self.run_dir)
             where = f"the last good checkpoint is {latest[0]}" if latest else "no checkpoint yet"
             raise TrainingError(
-                f"the loss or gradient norm was not finite for {self.bad_steps} steps in a row "
-                f"(up to step {self.step}, lr {self.optimizer.param_groups[0]['lr']:.3g}); "
+                f"the loss or gradient norm was not finite for {self.counters.bad_steps} steps "
+                f"in a row (up to step {self.counters.step}, lr "
+                f"{self.optimizer.param_groups[0]['lr']:.3g}); "
                 f"{where}. Lower --lr, set --clip-grad, or use --precision bf16 or fp32"
             )
 
@@ -264,7 +263,7 @@ class Trainer:
 
     def _end_epoch(self, result: EvalResult | None) -> bool:
         """Report the epoch, update early stopping; returns True to stop early."""
-        s = self.stats
+        s = self.counters.stats
         total_s = max(s.busy_s, 1e-9)
         wait = s.wait_s / total_s
         values: dict[str, Any] = {
@@ -275,31 +274,25 @@ class Trainer:
             "steps": s.steps,
             "epoch_s": s.busy_s,
         }
-        self._log().epoch(self.epoch, self.step, values, result)
-        record = {"epoch": self.epoch + 1, **values}
+        self._log().epoch(self.counters.epoch, self.counters.step, values, result)
+        record = {"epoch": self.counters.epoch + 1, **values}
         if result is not None:
             record.update(val_loss=result.loss, top1=result.top1, top5=result.top5)
-        self.history.append(record)
+        self.counters.history.append(record)
         self._print_epoch(record, wait)
-        self.epoch += 1
-        self.stats = EpochStats()
-        patience = self.config.run.early_stop_patience
-        if result is None or patience is None:
-            return False
-        if self.best_val_loss is None or result.loss < self.best_val_loss:
-            self.best_val_loss, self.stale_epochs = result.loss, 0
-        else:
-            self.stale_epochs += 1
-        return self.stale_epochs >= patience
+        self.counters.epoch += 1
+        self.counters.stats = EpochStats()
+        return result is not None and self.early_stop.update(result.loss)
 
     def _is_best(self, result: EvalResult | None) -> bool:
-        if result is None or (self.best_top1 is not None and result.top1 <= self.best_top1):
+        best = self.counters.best_top1
+        if result is None or (best is not None and result.top1 <= best):
             return False
-        self.best_top1 = result.top1
+        self.counters.best_top1 = result.top1
         return True
 
     def _print_epoch(self, record: dict[str, Any], wait: float) -> None:
-        self.console.print(epoch_line(record, self.config.run.epochs, self.step))
+        self.console.print(epoch_line(record, self.config.run.epochs, self.counters.step))
         d = self.config.data
         cuda = self.dist.device.type == "cuda"
         advice = input_verdict(wait, d.path, self.plan.micro_batch, d.image_size, cuda)
@@ -311,41 +304,45 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The shared part of a checkpoint (every rank's own part is gathered in `_save`)."""
         return {
-            "step": self.step,
-            "epoch": self.epoch,
+            "step": self.counters.step,
+            "epoch": self.counters.epoch,
             "model": ckpt.strip_prefixes(unwrap(self.model).state_dict()),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "runner": self.runner.state_dict(),
-            "trainer": {
-                "stats": vars(self.stats).copy(),
-                "best_top1": self.best_top1,
-                "best_val_loss": self.best_val_loss,
-                "stale_epochs": self.stale_epochs,
-                "bad_steps": self.bad_steps,
-                "skipped_steps": self.skipped_steps,
-                "history": self.history,
-            },
+            "trainer": self.counters.state_dict(),
+            "early_stop": self.early_stop.state_dict(),
             "world_size": self.dist.world_size,
+            "global_batch": self.plan.batch_size,
             "classes": self.classes,
             "config": self.config.to_dict(),
         }
 
-    def load_state_dict(
-        self, state: dict[str, Any], rank_state: dict[str, Any], path: str = "the checkpoint"
-    ) -> None:
+    def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
+        """Restore a whole checkpoint (`_save`'s, every rank's part in ``ranks``), on the same
+        or, for lmdb and hdf5, another world size (`preflight.check_checkpoint` first).
+
+        On the same world size each rank takes its own loader position and RNG streams. On
+        another one the loader position is the run's global one (every saved rank holds it:
+        samples consumed over all ranks), and each rank's RNG streams are seeded afresh from
+        (seed, step, rank): the saved ranks are not this run's, and augmentation does not use
+        them (it is seeded per sample by seed, epoch and index).
+        """
         unwrap(self.model).load_state_dict(ckpt.strip_prefixes(state["model"]))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.runner.load_state_dict(state["runner"])
-        t = state["trainer"]
-        self.stats = EpochStats(**t["stats"])
-        self.best_top1, self.best_val_loss = t["best_top1"], t["best_val_loss"]
-        self.stale_epochs, self.bad_steps = t["stale_epochs"], t["bad_steps"]
-        self.skipped_steps, self.history = t["skipped_steps"], list(t["history"])
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.counters.load_state_dict(state["trainer"])
+        self.early_stop.load_state_dict(state["early_stop"])
+        ranks = state["ranks"]
+        same_ranks = len(ranks) == self.dist.world_size
+        mine = ranks[self.dist.rank] if same_ranks else ranks[0]
         try:
-            self.train_loader.load_state_dict(rank_state["loader"])
+            self.train_loader.load_state_dict(mine["loader"])
+        except StateMismatchError as exc:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} cannot continue this run's data: {exc}"
+            ) from None
         except LoaderStateError as exc:
             raise ckpt.CheckpointError(
                 f"checkpoint {path} saved its data position with --num-workers "
@@ -353,21 +350,24 @@ class Trainer:
                 f"resumes exactly only with the same count: add --num-workers {exc.saved_workers} "
                 "(bench-loader's choice then applies from the next run folder on)"
             ) from None
-        ckpt.set_rng_state(rank_state["rng"])
+        if same_ranks:
+            ckpt.set_rng_state(mine["rng"])
+        else:
+            ckpt.reseed_rng(self.config.run.seed, self.counters.step, self.dist.rank)
 
     def _save(self, reason: str, *, best: bool = False) -> str:
         """Collective: gather every rank's loader and RNG state; rank 0 writes. A stop signal
         meanwhile only asks to stop: the checkpoint is always finished."""
         with self.signals.protect():
-            self.phase = f"the checkpoint of step {self.step}"
+            self.phase = f"the checkpoint of step {self.counters.step}"
             mine = {"loader": self.train_loader.state_dict(), "rng": ckpt.rng_state()}
             ranks = self.dist.all_gather(mine, what=f"gathering {self.phase}")
-            path = ckpt.step_path(self.run_dir, self.step)
+            path = ckpt.step_path(self.run_dir, self.counters.step)
             if self.dist.is_main:
                 state = {**self.state_dict(), "ranks": ranks, "reason": reason}
                 path = ckpt.save_checkpoint(self.run_dir, state, best=best)
                 ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_last, newest=path)
-                self._log().event("checkpoint", step=self.step, path=path, reason=reason)
+                self._log().event("checkpoint", step=self.counters.step, path=path, reason=reason)
             self.dist.barrier(what=f"waiting for rank 0 to write {self.phase}")
         return path
 
@@ -385,16 +385,30 @@ class Trainer:
         if path is None:
             return
         state = state if state is not None else ckpt.load_checkpoint(path)
-        ckpt.check_resumable(state, path, self.dist.world_size, self.classes)
-        preflight.check_checkpoint(state, path, unwrap(self.model), self.optimizer, self.config)
-        self.load_state_dict(state, state["ranks"][self.dist.rank], path)
+        preflight.check_checkpoint(
+            state,
+            path,
+            unwrap(self.model),
+            self.optimizer,
+            self.config,
+            self.manifest,
+            self.dist.world_size,
+        )
+        saved_ranks = int(state["world_size"])
+        self.load_state_dict(state, path)
         del state  # a copy of every weight
         if self.dist.is_main:
-            runfolder.set_aside_newer(self.config, self.step, self.console)
+            runfolder.set_aside_newer(self.config, self.counters.step, self.console)
+        c = self.counters
+        moved = ""
+        if saved_ranks != self.dist.world_size:
+            moved = f", saved by {saved_ranks} ranks, now on {self.dist.world_size}"
         self.console.print(
-            f"resumed from {escape(path)} (step {self.step}, epoch {self.epoch + 1})"
+            f"resumed from {escape(path)} (step {c.step}, epoch {c.epoch + 1}{moved})"
         )
-        self._log().event("resume", step=self.step, epoch=self.epoch, path=path)
+        self._log().event(
+            "resume", step=c.step, epoch=c.epoch, path=path, saved_world_size=saved_ranks
+        )
 
     # ---- signals, messages ---------------------------------------------------------------
 
@@ -407,9 +421,9 @@ class Trainer:
             "signal": f"stopped on {self.signals.name or 'a signal'}",
             "max_steps": f"reached --max-steps {self.config.run.max_steps}",
         }[why]
-        self.console.print(f"{what} at step {self.step}; checkpoint {escape(path)}")
+        self.console.print(f"{what} at step {self.counters.step}; checkpoint {escape(path)}")
         self.console.print(f"resume with: {escape(resume)}")
-        self._log().event("stop", reason=why, step=self.step, path=path)
+        self._log().event("stop", reason=why, step=self.counters.step, path=path)
 
     def _backed_off(self, micro_batch: int) -> None:
         accumulation = self.plan.accumulation * self.runner.splits
@@ -419,7 +433,10 @@ class Trainer:
             "unchanged); retrying the step"
         )
         self._log().event(
-            "oom_backoff", step=self.step + 1, micro_batch=micro_batch, accumulation=accumulation
+            "oom_backoff",
+            step=self.counters.step + 1,
+            micro_batch=micro_batch,
+            accumulation=accumulation,
         )
 
     def _announce(self) -> None:
@@ -443,16 +460,16 @@ class Trainer:
         )
 
     def _summary(self, stopped: str, path: str | None) -> RunSummary:
-        last = self.history[-1] if self.history else None
+        last = self.counters.history[-1] if self.counters.history else None
         return RunSummary(
             run_dir=self.run_dir,
-            epochs_done=self.epoch,
-            steps=self.step,
+            epochs_done=self.counters.epoch,
+            steps=self.counters.step,
             stopped=stopped,
             last_val=last,
             checkpoint=path,
-            best_top1=self.best_top1,
-            history=self.history,
+            best_top1=self.counters.best_top1,
+            history=self.counters.history,
         )
 
     def close(self) -> None:
