@@ -22,7 +22,7 @@ import itertools
 import os
 from collections import defaultdict
 
-from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree
+from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree, relative_path
 from dlpipe.converters.source import (
     SPLIT_NAMES,
     Item,
@@ -105,7 +105,7 @@ class FilesSource(Source):
     def _scan_split(self, tree: RawTree, split: str | None, folder: str) -> list[Item]:
         groups: dict[str, dict[str, RawEntry]] = defaultdict(dict)
         for entry in tree.files(folder):
-            rel = os.path.relpath(entry.path, folder).replace(os.sep, "/")
+            rel = relative_path(entry.path, folder)
             if rel == _CLASSES_FILE:
                 continue
             head, _, name = rel.rpartition("/")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree
+from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree, relative_path
 from dlpipe.converters.source import (
     SPLIT_NAMES,
     Item,
@@ -147,7 +147,7 @@ class ImageFolderSource(Source):
             if kind is None:
                 ignored += 1
                 continue
-            rel = os.path.relpath(entry.path, split_folder).replace(os.sep, "/")
+            rel = relative_path(entry.path, split_folder)
             key, shortened = make_key(os.path.splitext(rel)[0])
             original = display_path(rel) if shortened else None
             origin = display_path(entry.path)

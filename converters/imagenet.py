@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dlpipe.converters.matfile import read_struct_rows
-from dlpipe.converters.raw_tree import Listings, RawTree
+from dlpipe.converters.raw_tree import Listings, RawTree, relative_path
 from dlpipe.converters.source import (
     Item,
     SampleError,
@@ -271,7 +271,7 @@ class ImageNetSource(Source):
             if kind is None:
                 ignored += 1
                 continue
-            rel = os.path.splitext(os.path.relpath(entry.path, folder))[0].replace(os.sep, "/")
+            rel = os.path.splitext(relative_path(entry.path, folder))[0]
             key, shortened = make_key(rel if split == "train" else rel.rpartition("/")[2])
             origin = display_path(entry.path)
             original = display_path(rel) if shortened else None
