@@ -59,9 +59,17 @@ def test_rank_from_the_environment(monkeypatch, make_dataset) -> None:
         dlpipe.open_dataset(make_dataset("hdf5"), rank=4, world_size=4)
 
 
-def test_fewer_shards_than_readers_is_a_clear_error(tmp_path, samples) -> None:
+def test_fewer_shards_than_workers_reads_every_sample_once(tmp_path, samples) -> None:
+    """A worker without a shard segment yields nothing; no sample is read twice."""
     path = write_dataset(tmp_path / "d", "wds", {"train": samples[:8]}, max_shard_samples=None)
     ds = dlpipe.open_dataset(path)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
-    with pytest.raises(dlpipe.ShardCountError, match="1 shards but 2 readers.*--shard-size"):
-        list(loader)
+    assert [s["__key__"] for s in loader] == [s["__key__"] for s in samples[:8]]
+
+
+def test_stream_ranks_split_inside_a_shard(tmp_path, samples) -> None:
+    """wds ranks take equal runs of the shard stream, so 3 ranks share 2 shards."""
+    path = write_dataset(tmp_path / "d", "wds", {"train": samples[:10]}, max_shard_samples=5)
+    parts = [list(dlpipe.open_dataset(path, rank=r, world_size=3)) for r in range(3)]
+    assert [len(p) for p in parts] == [3, 3, 4]
+    assert parts[0] + parts[1] + parts[2] == samples[:10]

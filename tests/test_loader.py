@@ -97,25 +97,36 @@ def test_sampler_state_round_trip_and_seed_check() -> None:
         EpochSampler(20, seed=2).load_state_dict(state)
 
 
-def test_wds_with_fewer_shards_than_readers_says_so(tmp_path, samples) -> None:
+def test_wds_with_fewer_shards_than_workers_reads_every_sample_once(tmp_path, samples) -> None:
     from conftest import write_dataset
 
     path = write_dataset(tmp_path / "d", "wds", {"train": samples[:8]}, max_shard_samples=None)
     loader = dlpipe.make_loader(path, batch_size=2, transform=None, num_workers=2)
-    with pytest.raises(dlpipe.ShardCountError, match="--shard-size"):
-        next(iter(loader))
+    keys = [s["__key__"] for batch in loader for s in batch]
+    assert sorted(keys) == sorted(s["__key__"] for s in samples[:8]) and len(loader) == 4
+
+
+def test_wds_split_smaller_than_a_batch_per_rank_says_so(tmp_path, samples) -> None:
+    from conftest import write_dataset
+
+    path = write_dataset(tmp_path / "d", "wds", {"train": samples[:8]}, max_shard_samples=None)
+    with pytest.raises(dlpipe.ShardCountError, match="fewer than one batch of 8 for each of 2"):
+        dlpipe.make_loader(path, batch_size=8, transform=None, num_workers=0, rank=0, world_size=2)
 
 
 def test_wds_resume_seeks_past_finished_blocks(make_dataset) -> None:
-    from dlpipe.loading.loader import _StreamView
+    from dlpipe.loading.order import StreamOrder
 
     ds = dlpipe.open_dataset(make_dataset("wds"))
-    view = _StreamView(ds, None, shuffle=True, seed=3)
-    view.BLOCK_SAMPLES = 3
-    full = [s["__key__"] for s in view]
-    view.load_state_dict({"epoch": 0, "position": 2, "offset": 3, "emitted": 1, "seed": 3})
-    tail = [s["__key__"] for s in view]
-    assert tail == full[8 + 8 + 3 + 1 :]
+    order = StreamOrder([len(r) for r in ds.readers], shuffle=True, seed=3, equal_shares=False)
+    order.BLOCK_SAMPLES = 3
+    segments = order.segments(0)
+    full = [s["__key__"] for _, s in order.read(ds.readers, segments, 0)]
+    first, second = segments[0].shard, segments[1].shard
+    order.load_state_dict(order.state_at(0, {first: 8, second: 4}))
+    epoch, rest = order.take()
+    tail = [s["__key__"] for _, s in order.read(ds.readers, rest, epoch)]
+    assert rest[0] == (second, 4, 8) and tail == full[8 + 4 :]
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])

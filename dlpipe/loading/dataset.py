@@ -6,7 +6,9 @@
 
 Iteration is split between (rank, world size) and DataLoader workers so that every sample is
 read exactly once per pass across all of them: random-access formats give each consumer a
-contiguous range of indices; the streaming format (wds) gives each consumer whole shards.
+contiguous range of indices; the streaming format (wds) gives each rank an equal run of the
+shard stream and each worker every ``workers``-th of that run's shard segments
+(`dlpipe.loading.order` holds both splits).
 Readers open lazily in the process that reads, so the object is safe to hand to fork or spawn
 DataLoader workers.
 
@@ -31,8 +33,9 @@ import numpy as np
 import torch.utils.data
 
 from dlpipe import storage
-from dlpipe.errors import DlpipeError, ShardCountError
+from dlpipe.errors import DlpipeError
 from dlpipe.formats import ShardReader, get_format, require_storage
+from dlpipe.loading.order import StreamOrder, reader_part
 from dlpipe.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -219,11 +222,6 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _worker() -> tuple[int, int]:
-    info = torch.utils.data.get_worker_info()
-    return (0, 1) if info is None else (info.id, info.num_workers)
-
-
 class PreparedDataset:
     """What every format's dataset shares: the manifest, the shard readers, the splitting."""
 
@@ -264,11 +262,6 @@ class PreparedDataset:
             f"format={self.manifest.format!r}, samples={len(self)}, shards={len(self.readers)})"
         )
 
-    def consumer(self) -> tuple[int, int]:
-        """(index, count) of the reader this process is among all ranks x workers."""
-        worker, workers = _worker()
-        return self.rank * workers + worker, self.world_size * workers
-
     def _emit(self, sample: Sample) -> Any:
         return self.transform(sample) if self.transform is not None else sample
 
@@ -296,7 +289,7 @@ class MapDataset(PreparedDataset, torch.utils.data.Dataset):
         return self._emit(self.readers[shard].get(index - int(self._starts[shard])))
 
     def __iter__(self) -> Iterator[Any]:
-        consumer, consumers = self.consumer()
+        consumer, consumers = reader_part(self.rank, self.world_size)
         n = len(self)
         start, stop = consumer * n // consumers, (consumer + 1) * n // consumers
         for shard, reader in enumerate(self.readers):
@@ -320,20 +313,14 @@ class StreamDataset(PreparedDataset, torch.utils.data.IterableDataset):
         )
 
     def __iter__(self) -> Iterator[Any]:
-        consumer, consumers = self.consumer()
-        self.check_shard_count(consumers)
-        for reader in self.readers[consumer::consumers]:
-            yield from (self._emit(s) for s in reader)
-
-    def check_shard_count(self, consumers: int) -> None:
-        """Each of `consumers` readers needs a shard of its own."""
-        if len(self.readers) < consumers:
-            raise ShardCountError(
-                f"{self.path} split {self.split!r} has {len(self.readers)} shards but "
-                f"{consumers} readers share it ({self.world_size} ranks x "
-                f"{consumers // self.world_size} workers); each reader needs a shard of its "
-                "own. Use fewer DataLoader workers, or re-convert with a smaller --shard-size"
-            )
+        """This rank's run of the split in stored order, its shard segments dealt to the
+        DataLoader workers in turn (`StreamOrder`); a worker without one yields nothing."""
+        sizes = [len(reader) for reader in self.readers]
+        order = StreamOrder(
+            sizes, rank=self.rank, world_size=self.world_size, shuffle=False, equal_shares=False
+        )
+        segments = order.worker_segments(order.segments(0))
+        yield from (self._emit(s) for _, s in order.read(self.readers, segments, 0))
 
 
 def open_dataset(

@@ -1,47 +1,63 @@
-"""`make_loader`: a prepared dataset as a resumable ``StatefulDataLoader`` of uint8 batches.
+"""`make_loader`: a prepared dataset as a resumable DataLoader of uint8 batches.
 
     loader = dlpipe.make_loader("data/pets-lmdb", "train", batch_size=256)
+    len(loader)                            # the batches this rank yields this epoch, exactly
     for images, labels in loader:          # uint8 (N, 3, 224, 224), int64 (N,)
         x = dlpipe.normalize(images, "cuda")
     state = loader.state_dict()            # mid-epoch; a new loader's load_state_dict resumes
 
-Random-access formats (lmdb, hdf5) go through `EpochSampler`: seeded per epoch, exact per rank,
-resumable without re-reading skipped samples. The streaming format (wds) gives each rank and
-worker whole shards (`dlpipe.loading.dataset.StreamDataset`).
+The order and its state are dlpipe's own (`dlpipe.loading.order`), counted in batches yielded
+to the caller, not prefetched: random-access formats (lmdb, hdf5) go through `EpochSampler` in
+the main process, and a state resumes exactly with another ``num_workers``, world size or both
+(the rest of the epoch is the same run of samples, in the new loader's global batches). The
+streaming format (wds) reads whole shard segments in the workers (`StreamOrder`); each batch
+says which shards it holds samples of, the loader keeps a cursor per shard, and a state resumes
+exactly with another ``num_workers`` (not another world size, or batch size: refused by name).
+Workers batch their own samples; the few left over at a worker's end are merged into whole
+batches in the main process, so every rank yields ``len(loader)`` batches. Which worker's batch
+comes first depends on ``num_workers``; the samples of the epoch do not.
 
-Worker settings: explicit ``num_workers=``, ``prefetch_factor=``, ``pin_memory=`` win; then a
-profile measured by ``dlpipe bench-loader`` for this dataset, machine and call
-(`dlpipe.loading.profile`, found with ``profile="auto"``); otherwise a sensible default (all
-usable cores but one, prefetch 2, pinned memory when CUDA is there).
+`load_state_dict` applies to the next ``iter(loader)``; an iterator made before it raises
+`StaleIteratorError` at its next batch instead of going on with the old position.
+
+What the batches are is one `LoaderConfig`, resolved for the split once; how fast they come is
+one `WorkerSettings` (`dlpipe.loading.config`): given, or (``workers="auto"``) the profile
+``dlpipe bench-loader`` measured for this dataset, machine and config (`dlpipe.loading.profile`),
+otherwise a sensible default (all usable cores but one, prefetch 2, pinned memory when CUDA is
+there). The old keywords (``batch_size=``, ``image_size=``, ``num_workers=``, ...) override
+single fields of either.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import enum
 import os
 import signal
 import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import torch.utils.data
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dlpipe.errors import DlpipeError
+from dlpipe.loading.config import (
+    LoaderConfig,
+    LoaderConfigError,
+    WorkerSettings,
+    default_workers,
+)
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
-from dlpipe.loading.order import EpochSampler
+from dlpipe.loading.order import EpochSampler, StreamOrder
 from dlpipe.loading.profile import LoaderProfile, select_profile
+from dlpipe.loading.state import StateMismatchError, require_equal, require_fields
 from dlpipe.loading.transforms import ImageTransform, image_field
-from dlpipe.machine import usable_cpus
 from dlpipe.processes import stop_signals_blocked
 from dlpipe.sample import KEY_FIELD, Sample
 
-__all__ = ["LoaderStateError", "make_loader", "saved_num_workers"]
+__all__ = ["LoaderStateError", "PreparedLoader", "StaleIteratorError", "make_loader"]
 
 SampleFn = Callable[[Sample], Any]
 
@@ -60,94 +76,79 @@ class _MapView(torch.utils.data.Dataset):
         return _apply(self.transform, self.dataset[index], epoch, index)
 
 
+class _Piece(NamedTuple):
+    """What a stream worker sends: a collated full batch, or its last few samples uncollated
+    (the main process merges them), and the shards they came from as (shard, count) runs."""
+
+    batch: Any
+    samples: list[Any] | None
+    shards: list[tuple[int, int]]
+
+
+def _runs(shards: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for shard in shards:
+        if runs and runs[-1][0] == shard:
+            runs[-1] = (shard, runs[-1][1] + 1)
+        else:
+            runs.append((shard, 1))
+    return runs
+
+
 class _StreamView(torch.utils.data.IterableDataset):
-    """A streaming split as epochs of whole shards per rank x worker, resumable by position.
-
-    Each epoch shuffles the shard order (seeded by epoch) and each block of `BLOCK_SAMPLES`
-    consecutive samples of a shard (seeded by epoch, shard and offset). The state is the
-    epoch, the shard position, the block's offset and how many of its samples were emitted:
-    a resumed worker seeks to the block, re-reads that one block and continues. For training
-    (`equal_shares`) with several ranks every reader emits the same number of samples (the
-    smallest share), so every rank runs the same number of steps; for evaluation every sample
-    is emitted once, and a reader without a shard emits nothing.
-    """
-
-    BLOCK_SAMPLES = 256
+    """A streaming split read per worker along `StreamOrder`, batched in the worker."""
 
     def __init__(
         self,
         dataset: StreamDataset,
         transform: Callable[..., Any] | None,
+        order: StreamOrder,
+        collate: Callable[[list[Any]], Any],
+    ) -> None:
+        self.dataset, self.transform, self.order, self.collate = dataset, transform, order, collate
+
+    @classmethod
+    def build(
+        cls,
+        dataset: StreamDataset,
+        transform: Callable[..., Any] | None,
+        *,
         shuffle: bool,
         seed: int,
-        equal_shares: bool = True,
-    ) -> None:
-        self.dataset, self.transform, self.shuffle, self.seed = dataset, transform, shuffle, seed
-        self.equal_shares = equal_shares
-        self.epoch, self.position, self.offset, self.emitted = 0, 0, 0, 0
-        self._restored = False
+        batch_size: int,
+        drop_last: bool,
+    ) -> _StreamView:
+        """The view of `dataset` for this rank (``drop_last``: equal whole batches per rank)."""
+        sizes = [s.samples for s in dataset.manifest.split(dataset.split).shards]
+        order = StreamOrder(
+            sizes,
+            rank=dataset.rank,
+            world_size=dataset.world_size,
+            shuffle=shuffle,
+            seed=seed,
+            batch_size=batch_size,
+            equal_shares=drop_last,
+        )
+        order.check_ranks(dataset.path, dataset.split)
+        return cls(dataset, transform, order, _collate)
 
-    def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "offset": self.offset,
-            "emitted": self.emitted,
-            "seed": self.seed,
-        }
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["seed"] != self.seed:
-            raise ValueError(f"the saved loader state used seed {state['seed']}, not {self.seed}")
-        self.epoch, self.position = state["epoch"], state["position"]
-        self.offset, self.emitted = state["offset"], state["emitted"]
-        self._restored = True
-
-    def _shards(self, epoch: int) -> tuple[list[int], int]:
-        """This reader's shard indices for `epoch`, and how many samples each reader emits."""
-        consumer, consumers = self.dataset.consumer()
-        if self.equal_shares:
-            self.dataset.check_shard_count(consumers)
-        count = len(self.dataset.readers)
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(count)
-        else:
-            order = np.arange(count)
-        sizes = [len(r) for r in self.dataset.readers]
-        shares = [sum(sizes[i] for i in order[c::consumers]) for c in range(consumers)]
-        equal = self.equal_shares and self.dataset.world_size > 1
-        limit = min(shares) if equal else shares[consumer]
-        return [int(i) for i in order[consumer::consumers]], limit
-
-    def __iter__(self) -> Iterator[Any]:
-        if not self._restored and (self.position or self.offset or self.emitted):
-            self.epoch, self.position, self.offset, self.emitted = self.epoch + 1, 0, 0, 0
-        self._restored = False
-        epoch = self.epoch
-        shards, limit = self._shards(epoch)
-        done = sum(len(self.dataset.readers[i]) for i in shards[: self.position]) + self.offset
-        done += self.emitted
-        while self.position < len(shards) and done < limit:
-            shard = shards[self.position]
-            reader = self.dataset.readers[shard]
-            # one pass per shard, from the resume point: blocks are cut from the same stream
-            with contextlib.closing(reader.iter_from(self.offset)) as stream:
-                while self.offset < len(reader) and done < limit:
-                    block = list(itertools.islice(stream, self.BLOCK_SAMPLES))
-                    if self.shuffle:
-                        rng = np.random.default_rng([self.seed, epoch, shard, self.offset])
-                        block = [block[i] for i in rng.permutation(len(block))]
-                    while self.emitted < len(block) and done < limit:
-                        sample = block[self.emitted]
-                        self.emitted += 1
-                        done += 1
-                        index = zlib.crc32(str(sample[KEY_FIELD]).encode())
-                        yield _apply(self.transform, sample, epoch, index)
-                    if self.emitted == len(block):
-                        self.offset, self.emitted = self.offset + len(block), 0
-            if self.offset >= len(reader):
-                self.position, self.offset = self.position + 1, 0
-        self.epoch, self.position, self.offset, self.emitted = epoch + 1, 0, 0, 0
+    def __iter__(self) -> Iterator[_Piece]:
+        epoch, segments = self.order.take()
+        size = self.order.batch_size
+        batch: list[Any] = []
+        shards: list[int] = []
+        for shard, sample in self.order.read(
+            self.dataset.readers, self.order.worker_segments(segments), epoch
+        ):
+            index = zlib.crc32(str(sample[KEY_FIELD]).encode())
+            batch.append(_apply(self.transform, sample, epoch, index))
+            shards.append(shard)
+            if len(batch) == size:
+                yield _Piece(self.collate(batch), None, _runs(shards))
+                batch, shards = [], []
+        if batch:
+            yield _Piece(None, batch, _runs(shards))
+        self.order.finish()
 
 
 def _apply(transform: Callable[..., Any] | None, sample: Sample, epoch: int, index: int) -> Any:
@@ -163,7 +164,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
     systemd and a closed terminal signal the whole process group, and the main process decides
     (the trainer checkpoints first); a worker killed under it would only break the next fetch.
 
-    The signals were blocked when the worker started (`_StopSafeLoader`), so none slips in
+    The signals were blocked when the worker started (`PreparedLoader`), so none slips in
     before this. SIGTERM stays blocked and a thread takes each one (``sigwaitinfo``): from the
     parent (``multiprocessing``'s terminate at shutdown) it ends the worker, from anyone else it
     is dropped. Without ``sigwaitinfo`` (macOS) only SIGINT and SIGHUP are ignored.
@@ -185,31 +186,57 @@ def _take_sigterm(parent: int) -> None:
             os._exit(0)  # the main process ends its workers (or it is gone): leave
 
 
-class LoaderStateError(DlpipeError, ValueError):
-    """A saved loader state does not fit this loader (another worker count)."""
-
-    def __init__(self, saved_workers: int, workers: int) -> None:
-        super().__init__(
-            f"the saved loader state was taken with num_workers={saved_workers}, this loader "
-            f"has num_workers={workers}; a state resumes exactly only with the same count: "
-            f"make the loader with num_workers={saved_workers}"
-        )
-        self.saved_workers, self.workers = saved_workers, workers
+class StaleIteratorError(DlpipeError, RuntimeError):
+    """An iterator made before `PreparedLoader.load_state_dict` was asked for a batch."""
 
 
-def saved_num_workers(state: Any) -> int | None:
-    """The ``num_workers`` a ``StatefulDataLoader`` state was taken with (None: unknown)."""
-    if not isinstance(state, dict):
-        return None
-    snapshot = state.get("_snapshot")
-    if isinstance(snapshot, dict) and isinstance(snapshot.get("_worker_snapshots"), dict):
-        return len(snapshot["_worker_snapshots"])
-    return 0 if "_sampler_iter_state" in state or "dataset_state" in state else None
+LoaderStateError = StateMismatchError  # the name the trainer and older code catch
 
 
-class _StopSafeLoader(StatefulDataLoader):
-    """A ``StatefulDataLoader`` whose workers never die of a stop signal meant for the main
-    process, and whose `close` ends them."""
+class _Pass:
+    """The pass a loader is in: where it began and what it has yielded to the caller."""
+
+    def __init__(self, order: EpochSampler | StreamOrder) -> None:
+        self.epoch = order.epoch
+        self.batches = 0
+        if isinstance(order, EpochSampler):
+            self.start, self.drawn, self.left = order.start, order.drawn, order.remaining()
+        self.cursors = dict(order.cursors) if isinstance(order, StreamOrder) else {}
+
+    def state(self, order: EpochSampler | StreamOrder, batch_size: int) -> dict[str, Any]:
+        if isinstance(order, EpochSampler):
+            drawn = self.drawn + min(self.batches * batch_size, self.left)
+            return order.state_at(self.epoch, self.start, drawn)
+        return order.state_at(self.epoch, self.cursors)
+
+
+class PreparedLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose order and state are dlpipe's own (see the module docstring), whose
+    workers never die of a stop signal meant for the main process, and whose `close` ends them.
+
+    ``len(loader)`` is the exact number of batches this rank yields in a whole epoch.
+    """
+
+    def __init__(self, dataset: Any, **options: Any) -> None:
+        self._stream = isinstance(dataset, _StreamView)
+        if self._stream:  # the workers batch; what they leave over is merged here
+            self._batch_size, self._drop_last = options.pop("batch_size"), options.pop("drop_last")
+            options.pop("collate_fn", None)
+            options["batch_size"] = None
+        super().__init__(dataset, **options)
+        if not self._stream:
+            self._batch_size = options["batch_size"]
+        self.order: EpochSampler | StreamOrder = dataset.order if self._stream else self.sampler
+        prepared: PreparedDataset = dataset.dataset
+        self._identity = {"dataset": prepared.stamp.sha256, "split": prepared.split}
+        self._pass: _Pass | None = None
+        self._generation = 0
+
+    def __len__(self) -> int:
+        if not self._stream:
+            return super().__len__()
+        samples, size = len(self.order), self._batch_size
+        return samples // size if self._drop_last else -(-samples // size)
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
@@ -218,12 +245,89 @@ class _StopSafeLoader(StatefulDataLoader):
         with stop_signals_blocked(start_method=context.get_start_method() if context else None):
             return super()._get_iterator()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a `state_dict` taken with the same ``num_workers`` (else `LoaderStateError`)."""
-        saved = saved_num_workers(state_dict)
-        if saved is not None and saved != self.num_workers:
-            raise LoaderStateError(saved, self.num_workers)
-        super().load_state_dict(state_dict)
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self.order.begin()
+        progress = _Pass(self.order)
+        inner = super().__iter__()
+        if self._stream and self.num_workers > 0:
+            assert isinstance(self.order, StreamOrder)
+            self.order.take()  # the workers took the pass with them
+        self._pass = progress
+        batches = self._merged(inner, progress) if self._stream else inner
+        return self._counted(batches, progress, self._generation)
+
+    def _counted(
+        self, batches: Iterator[Any], progress: _Pass, generation: int
+    ) -> Iterator[Any]:
+        while True:
+            if generation != self._generation:
+                raise StaleIteratorError(
+                    "this loader iterator was made before load_state_dict(); the loaded state "
+                    "applies to the next pass: call iter(loader) (or start the for loop) again"
+                )
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            progress.batches += 1
+            yield batch
+        if generation == self._generation:
+            self._pass = None
+            self.order.finish()
+
+    def _merged(self, pieces: Iterator[_Piece], progress: _Pass) -> Iterator[Any]:
+        """Full batches as the workers made them; their leftovers merged into full ones."""
+        left: list[Any] = []
+        shards: list[int] = []
+        for piece in pieces:
+            if piece.samples is None:
+                self._note(progress, piece.shards)
+                yield piece.batch
+                continue
+            left += piece.samples
+            shards += [shard for shard, count in piece.shards for _ in range(count)]
+            while len(left) >= self._batch_size:
+                yield self._take_left(progress, left, shards, self._batch_size)
+        if left and not self._drop_last:
+            yield self._take_left(progress, left, shards, len(left))
+
+    def _take_left(
+        self, progress: _Pass, left: list[Any], shards: list[int], count: int
+    ) -> Any:
+        batch = _collate(left[:count])
+        self._note(progress, _runs(shards[:count]))
+        del left[:count], shards[:count]
+        return batch
+
+    @staticmethod
+    def _note(progress: _Pass, runs: list[tuple[int, int]]) -> None:
+        for shard, count in runs:
+            progress.cursors[shard] = progress.cursors.get(shard, 0) + count
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is: the epoch, seed and position (samples consumed globally, or
+        per-shard cursors for wds), plus the dataset's identity; plain data."""
+        if self._pass is None:
+            state = self.order.state_dict()
+        else:
+            state = self._pass.state(self.order, self._batch_size)
+        return {**state, **self._identity}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at `state` from the next ``iter(loader)`` on (see the module docstring).
+
+        Raises:
+            StateMismatchError: the state is from another dataset, split, seed or shuffle;
+                for wds also another world size or batch size.
+        """
+        saved = require_fields(state, ("dataset", "split"), "loader")
+        fix = "load a state saved by a loader of the same dataset and split"
+        for name, value in self._identity.items():
+            require_equal(saved, name, value, "loader", fix)
+        self.order.load_state_dict(dict(saved))
+        self._pass, self._generation = None, self._generation + 1
+        if self._stream:
+            self.close()  # persistent workers hold the old position: the next pass restarts them
 
     def close(self) -> None:
         """End the worker processes now (they end with the loader's garbage collection
@@ -241,29 +345,69 @@ def _collate(batch: list[Any]) -> Any:
     return torch.utils.data.default_collate(batch)
 
 
-def _resolve_transform(
-    transform: str | SampleFn | None,
-    dataset: PreparedDataset,
-    image_size: int,
-    seed: int,
-    min_crop_scale: float,
-) -> Callable[..., Any] | None:
+def make_transform(config: LoaderConfig, dataset: PreparedDataset) -> Callable[..., Any] | None:
+    """A resolved config's transform as the callable a loader (and the tuner) applies to each
+    sample (None: raw samples)."""
+    transform = config.transform
     if transform is None or callable(transform):
         return transform
     field = image_field(list(dataset.manifest.fields))
-    return ImageTransform(transform, image_size, field, seed, min_crop_scale)
+    return ImageTransform(
+        str(transform), config.image_size, field, config.seed, config.min_crop_scale
+    )
+
+
+class _Unset(enum.Enum):
+    """`make_loader`'s ``transform=`` when not given (None is a transform choice)."""
+
+    TOKEN = 0
+
+
+def _loader_config(
+    config: LoaderConfig | None, split: str, transform: Any, **fields: Any
+) -> LoaderConfig:
+    """`config` (or the defaults) with each keyword given set, resolved for `split`."""
+    changes = {name: value for name, value in fields.items() if value is not None}
+    if transform is not _Unset.TOKEN:
+        changes["transform"] = transform
+    return (config or LoaderConfig()).replace(**changes).resolved(split)
+
+
+def _worker_settings(
+    workers: str | WorkerSettings | None,
+    profile: str | LoaderProfile | None,
+    where: tuple[str | os.PathLike[str], str, LoaderConfig],
+    **fields: Any,
+) -> WorkerSettings:
+    """The settings `workers` names (``"auto"``: the saved profile, else the defaults), with
+    each keyword given set."""
+    if isinstance(workers, WorkerSettings):
+        base = workers
+    elif workers == "auto":
+        path, split, config = where
+        chosen = select_profile(profile, path, split=split, config=config)
+        base = default_workers() if chosen is None else chosen.settings
+    elif workers is None:
+        base = default_workers()
+    else:
+        raise LoaderConfigError(
+            f"workers={workers!r} is not 'auto', a WorkerSettings or None; pass one of those"
+        )
+    return base.replace(**{name: value for name, value in fields.items() if value is not None})
 
 
 def make_loader(
     path: str | os.PathLike[str],
     split: str = "train",
-    batch_size: int = 64,
+    batch_size: int | None = None,
     *,
-    transform: str | SampleFn | None = "auto",
-    image_size: int = 224,
-    min_crop_scale: float = 0.08,
+    config: LoaderConfig | None = None,
+    workers: str | WorkerSettings | None = "auto",
+    transform: str | SampleFn | _Unset | None = _Unset.TOKEN,
+    image_size: int | None = None,
+    min_crop_scale: float | None = None,
     shuffle: bool | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     drop_last: bool | None = None,
     num_workers: int | None = None,
     prefetch_factor: int | None = None,
@@ -272,64 +416,58 @@ def make_loader(
     world_size: int | None = None,
     profile: str | LoaderProfile | None = "auto",
     multiprocessing_context: str | None = None,
-) -> StatefulDataLoader:
-    """A ``StatefulDataLoader`` over one split of a prepared dataset (any format).
+) -> PreparedLoader:
+    """A `PreparedLoader` over one split of a prepared dataset (any format).
 
     Args:
         path, split: the dataset and split.
         batch_size: samples per batch on this rank.
-        transform: ``"train"`` (RandomResizedCrop + flip), ``"eval"`` (resize + centre crop),
-            None (raw sample dicts, batched as lists), or a callable on a sample dict. The
-            default, ``"auto"``, is ``"train"`` for the train split and ``"eval"`` otherwise.
-        image_size: the crop side of the image transforms.
-        min_crop_scale: the smallest share of the image area a ``"train"`` crop keeps
-            (torchvision's and timm's default 0.08; raise it when objects are small).
-        shuffle, drop_last: default True for the train split, False otherwise.
-        seed: seeds the epoch permutations and augmentation.
-        num_workers, prefetch_factor, pin_memory: DataLoader worker settings; each one given
-            overrides the profile's value.
+        config: what the batches are (`LoaderConfig`: batch size, transform, image size,
+            crop scale, shuffle, seed, drop_last; default ``LoaderConfig()``), resolved for
+            `split` once (``transform="auto"`` is ``"train"`` for the train split, else
+            ``"eval"``; ``shuffle`` and ``drop_last`` True for train, else False).
+        workers: how they are made: ``"auto"`` uses the settings ``dlpipe bench-loader``
+            saved for this dataset, machine, split and config (the `loader_key`), if any
+            (logged at INFO on the ``dlpipe`` logger), else the defaults (all usable cores
+            but one, prefetch 2, pinned memory with CUDA); a `WorkerSettings` is used as is;
+            None gives the defaults. A malformed profiles file is a WARNING on the ``dlpipe``
+            logger and the defaults.
+        batch_size, transform, image_size, min_crop_scale, shuffle, seed, drop_last: each one
+            given overrides that field of `config`.
+        num_workers, prefetch_factor, pin_memory: each one given overrides that field of the
+            worker settings (the profile's too).
         rank, world_size: this process's part (default: torch.distributed or RANK/WORLD_SIZE).
-        profile: ``"auto"`` uses the settings ``dlpipe bench-loader`` saved for this dataset,
-            machine, split, batch size, transform and image size, if there are any (logged at
-            INFO on the ``dlpipe`` logger); a `LoaderProfile` is used as is; None, or no saved
-            profile, gives the defaults (all cores but one, prefetch 2, pinned memory with CUDA).
-            A malformed profiles file is a WARNING on the ``dlpipe`` logger and the defaults.
+        profile: with ``workers="auto"``, a `LoaderProfile` to use instead of the saved one,
+            or None for the defaults.
         multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"`` for the workers
             (default: the platform's); readers reopen in each worker either way.
 
     Raises:
+        LoaderConfigError: a config or worker field breaks its rule (named).
         ManifestError, ManifestNotFoundError, DatasetChangedError: the dataset cannot be read.
     """
-    train = split == "train"
-    shuffle = train if shuffle is None else shuffle
-    drop_last = train if drop_last is None else drop_last
-    dataset = open_dataset(path, split, rank=rank, world_size=world_size)
-    if transform == "auto":
-        transform = "train" if train else "eval"
-    fn = _resolve_transform(transform, dataset, image_size, seed, min_crop_scale)
-    chosen = select_profile(
+    fields = {"image_size": image_size, "min_crop_scale": min_crop_scale, "seed": seed}
+    fields |= {"batch_size": batch_size, "shuffle": shuffle, "drop_last": drop_last}
+    config = _loader_config(config, split, transform, **fields)
+    settings = _worker_settings(
+        workers,
         profile,
-        path,
-        split=split,
-        batch_size=batch_size,
-        transform=transform,
-        image_size=image_size,
+        (path, split, config),
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        pin_memory=pin_memory,
     )
-    if chosen is not None:
-        num_workers = chosen.num_workers if num_workers is None else num_workers
-        prefetch_factor = chosen.prefetch_factor if prefetch_factor is None else prefetch_factor
-        pin_memory = chosen.pin_memory if pin_memory is None else pin_memory
-    workers = max(1, usable_cpus() - 1) if num_workers is None else num_workers
+    dataset = open_dataset(path, split, rank=rank, world_size=world_size)
+    fn = make_transform(config, dataset)
+    shuffle, seed, batch_size = bool(config.shuffle), config.seed, config.batch_size
+    drop_last = bool(config.drop_last)
     options: dict[str, Any] = {
         "batch_size": batch_size,
-        "num_workers": workers,
-        "pin_memory": torch.cuda.is_available() if pin_memory is None else pin_memory,
         "collate_fn": _collate,
         "drop_last": drop_last,
-        "persistent_workers": workers > 0 and (chosen is None or chosen.persistent_workers),
+        **settings.dataloader_options(),
     }
-    if workers > 0:
-        options["prefetch_factor"] = prefetch_factor or 2
+    if settings.num_workers > 0:
         options["multiprocessing_context"] = multiprocessing_context
         options["worker_init_fn"] = _ignore_stop_signals
     if isinstance(dataset, MapDataset):
@@ -344,10 +482,13 @@ def make_loader(
         )
         return _quiet_loader(_MapView(dataset, fn), sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
-    return _quiet_loader(_StreamView(dataset, fn, shuffle, seed, drop_last), **options)
+    view = _StreamView.build(
+        dataset, fn, shuffle=shuffle, seed=seed, batch_size=batch_size, drop_last=drop_last
+    )
+    return _quiet_loader(view, **options)
 
 
-def _quiet_loader(dataset: Any, **options: Any) -> StatefulDataLoader:
+def _quiet_loader(dataset: Any, **options: Any) -> PreparedLoader:
     with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on creation
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return _StopSafeLoader(dataset, **options)
+        return PreparedLoader(dataset, **options)

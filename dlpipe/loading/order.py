@@ -1,30 +1,61 @@
-"""`EpochSampler`: a seeded, rank-aware, resumable sampler for random-access datasets.
+"""The sample order of an epoch, per rank and worker, and its resumable state.
 
-Each pass over it is one epoch: a permutation drawn from (seed, epoch), dealt to the ranks in
-blocks of ``block`` samples (rank ``r`` takes blocks ``r``, ``r + world_size``, ...). With the
-block equal to the per-rank batch size, the samples of global step ``s`` are the permutation's
-``s``-th run of ``world_size x batch`` samples whatever the world size: a job on 8 GPUs sees the
-same batches as one process with the same global batch. With ``drop_last`` every rank gets
-exactly ``n // world_size`` samples, so every rank runs the same number of steps (uneven ranks
-hang DDP); without it, every sample is read exactly once, none padded or repeated (exact
-evaluation). The next pass is the next epoch, with no ``set_epoch`` to forget.
+One module decides which samples a reader takes and in what order, for both kinds of format:
 
-It is `Stateful`: ``state_dict()`` records the epoch and how many indices were drawn, and a
-loader restored from it continues with exactly the next index, without drawing the skipped
-ones; a new pass without a restored state starts the next epoch, as a DataLoader does.
-torchdata's ``StatefulDataLoader`` snapshots it when each batch's indices are drawn, so
-prefetching does not skew the resume point.
+- `EpochSampler` (lmdb, hdf5: random access) draws a permutation from (seed, epoch) and deals
+  it to the ranks in blocks of ``block`` samples (rank ``r`` takes blocks ``r``,
+  ``r + world_size``, ...). With the block equal to the per-rank batch size, global step ``s``
+  holds the permutation's ``s``-th run of ``world_size x batch`` samples whatever the world size.
+  Its state is a position in the permutation counted in samples consumed *globally*, so it
+  resumes on another world size, batch size or worker count: the rest of the epoch is the same
+  run of samples, dealt in the new global batches.
+- `StreamOrder` (wds: whole-shard streams) shuffles the shard order per epoch, reads each shard
+  in blocks of `BLOCK_SAMPLES` shuffled per (seed, epoch, shard, offset), and gives rank ``r``
+  the ``r``-th equal run of that stream (a rank reads whole shards, and at most two in part).
+  Within a rank its shard segments are dealt to the DataLoader workers in turn. The state is a
+  cursor per shard (samples yielded to the caller), so it resumes with any worker count; the
+  rank ranges depend on the world size, so another world size is refused.
+
+Both take a pass the same way: each pass over an order is one epoch; a pass begun and not
+finished is abandoned by the next one (the next epoch starts, as with a DataLoader), and a
+loaded state is the next pass. `worker_part` and `reader_part` name this process's place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch.utils.data
 
-__all__ = ["EpochSampler"]
+from dlpipe.errors import ShardCountError
+from dlpipe.loading.state import StateMismatchError, require_equal, require_fields
+from dlpipe.sample import Sample
+
+__all__ = ["EpochSampler", "Segment", "StreamOrder", "reader_part", "worker_part"]
+
+_ELASTIC_FIX = "make the loader with the seed and shuffle of the run that saved it"
+
+
+def worker_part() -> tuple[int, int]:
+    """(worker id, worker count) of this process in its DataLoader; (0, 1) outside workers."""
+    info = torch.utils.data.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def reader_part(rank: int, world_size: int) -> tuple[int, int]:
+    """(index, count) of this reader among all ranks x workers."""
+    worker, workers = worker_part()
+    return rank * workers + worker, world_size * workers
+
+
+def _permutation(shuffle: bool, seed: int, epoch: int, count: int) -> np.ndarray:
+    if shuffle:
+        return np.random.default_rng([seed, epoch]).permutation(count)
+    return np.arange(count)
 
 
 class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
@@ -64,17 +95,15 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.block = block
         self.epoch = 0
-        self.drawn = 0
-        self._restored = False
+        self.start = 0  # samples of this epoch's permutation consumed (globally) before the pass
+        self.drawn = 0  # this rank's indices drawn in this pass
+        self.armed = True  # the next pass is (epoch, start, drawn) as they are
 
-    def indices(self, epoch: int) -> np.ndarray:
-        """This rank's sample indices for `epoch`, in order."""
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-        else:
-            order = np.arange(self.num_samples)
-        n, world, block = self.num_samples, self.world_size, self.block
-        rounds = n // (block * world)  # whole rounds: every rank one full block
+    def indices(self, epoch: int, start: int = 0) -> np.ndarray:
+        """This rank's sample indices for `epoch`, in order, after `start` global samples."""
+        order = _permutation(self.shuffle, self.seed, epoch, self.num_samples)[start:]
+        world, block = self.world_size, self.block
+        rounds = len(order) // (block * world)  # whole rounds: every rank one full block
         dealt = order[: rounds * block * world].reshape(rounds, world, block)[:, self.rank]
         rest = order[rounds * block * world :]  # < one round: equal parts (drop_last) or all
         if self.drop_last:
@@ -85,31 +114,274 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         return np.concatenate([dealt.reshape(-1), tail])
 
     def __len__(self) -> int:
-        """This rank's samples per epoch, without drawing a permutation."""
+        """This rank's samples per (whole) epoch, without drawing a permutation."""
         n, world, block = self.num_samples, self.world_size, self.block
         if self.drop_last:
             return n // world
         rest = n % (block * world)
         return n // (block * world) * block + min(block, max(0, rest - self.rank * block))
 
+    def begin(self) -> None:
+        """Fix the next pass: a loaded state, else the next epoch after one begun."""
+        if not self.armed:
+            self.epoch, self.start, self.drawn = self.epoch + 1, 0, 0
+        self.armed = True
+
+    def finish(self) -> None:
+        """The pass is over: the next one is the next epoch (no-op if already so)."""
+        if not self.armed:
+            self.epoch, self.start, self.drawn, self.armed = self.epoch + 1, 0, 0, True
+
+    def remaining(self) -> int:
+        """This rank's indices left in the pass `begin` fixed."""
+        return len(self.indices(self.epoch, self.start)) - self.drawn
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        if self.drawn and not self._restored:  # a new pass abandons an unfinished epoch
-            self.epoch, self.drawn = self.epoch + 1, 0
-        self._restored = False
-        epoch, indices = self.epoch, self.indices(self.epoch)
+        self.begin()
+        self.armed = False
+        epoch, indices = self.epoch, self.indices(self.epoch, self.start)
         while self.drawn < len(indices):
             index = int(indices[self.drawn])
             self.drawn += 1
             yield epoch, index
-        self.epoch, self.drawn = epoch + 1, 0
+        self.finish()
+
+    def state_at(self, epoch: int, start: int, drawn: int) -> dict[str, Any]:
+        """The state after this rank drew `drawn` indices of the pass (`epoch`, `start`).
+
+        ``samples`` counts whole rounds (every rank one block) consumed globally; ``partial``
+        the indices of this rank's next block already drawn (0 at every batch boundary).
+        """
+        whole, partial = divmod(drawn, self.block)
+        return {
+            "epoch": epoch,
+            "samples": start + whole * self.block * self.world_size,
+            "partial": partial,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,
+            "block": self.block,
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "drawn": self.drawn, "seed": self.seed}
+        return self.state_at(self.epoch, self.start, self.drawn)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["seed"] != self.seed:
-            raise ValueError(
-                f"the saved loader state used seed {state['seed']}, this loader seed {self.seed}"
+        """Continue at the saved position: with any world size, block or worker count at a
+        batch boundary (``partial`` 0), else with the saved ones.
+
+        Raises:
+            StateMismatchError: another seed, shuffle or dataset length, or a mid-batch state
+                loaded with another world size or block.
+        """
+        fields = ("epoch", "samples", "partial", "seed", "shuffle", "num_samples")
+        state = dict(require_fields(state, (*fields, "world_size", "block"), "sampler"))
+        require_equal(state, "seed", self.seed, "sampler", _ELASTIC_FIX)
+        require_equal(state, "shuffle", self.shuffle, "sampler", _ELASTIC_FIX)
+        require_equal(
+            state, "num_samples", self.num_samples, "sampler", "load it into a loader of the same split"
+        )
+        if state["partial"] and (state["world_size"], state["block"]) != (
+            self.world_size,
+            self.block,
+        ):
+            raise StateMismatchError(
+                f"the saved sampler state stopped {state['partial']} samples into a batch "
+                f"(partial={state['partial']}); it resumes only with the saved world_size="
+                f"{state['world_size']} and block={state['block']}: save at a batch boundary"
             )
-        self.epoch, self.drawn = int(state["epoch"]), int(state["drawn"])
-        self._restored = True
+        self.epoch, self.start = int(state["epoch"]), int(state["samples"])
+        self.drawn, self.armed = int(state["partial"]), True
+
+
+class Segment(NamedTuple):
+    """Positions ``begin`` (inclusive) to ``end`` of shard ``shard``'s epoch order."""
+
+    shard: int
+    begin: int
+    end: int
+
+
+class ShardSource(Protocol):
+    """What `StreamOrder` reads from: shard ``i`` streamed from a sample index."""
+
+    def iter_from(self, start: int) -> Iterator[Sample]: ...
+
+
+class StreamOrder:
+    """One rank's order of a streaming split: equal runs of a block-shuffled shard stream.
+
+    The epoch's stream is the shards in a seeded order, each read in blocks of
+    `BLOCK_SAMPLES` consecutive samples shuffled per (seed, epoch, shard, offset). For training
+    (``equal_shares``) rank ``r`` takes samples ``r * q`` to ``r * q + take`` of it, where
+    ``q = total // world_size`` and ``take`` is ``q`` rounded down to whole batches: every rank
+    runs the same number of full batches, known from the manifest. For evaluation the ranks
+    split the stream into near-equal runs and every sample is read once.
+
+    Args:
+        shard_sizes: samples per shard, from the manifest.
+        rank, world_size: this process's part.
+        shuffle: shuffle shards and blocks per epoch, else stored order.
+        seed: seeds every epoch's order.
+        batch_size: this rank's batch size (``take`` is a multiple of it).
+        equal_shares: training (equal whole batches per rank), else every sample once.
+    """
+
+    BLOCK_SAMPLES = 256
+
+    def __init__(
+        self,
+        shard_sizes: Sequence[int],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        batch_size: int = 1,
+        equal_shares: bool = True,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        if batch_size < 1:
+            raise ValueError(f"batch size {batch_size} must be a positive number of samples")
+        self.shard_sizes = [int(n) for n in shard_sizes]
+        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
+        self.batch_size, self.equal_shares = batch_size, equal_shares
+        self.epoch = 0
+        self.cursors: dict[int, int] = {}  # shard -> samples of its segment yielded this pass
+        self.armed = True
+
+    def rank_range(self) -> tuple[int, int]:
+        """This rank's run ``[lo, hi)`` of the epoch's stream (the same every epoch)."""
+        total, world = sum(self.shard_sizes), self.world_size
+        if not self.equal_shares:
+            return self.rank * total // world, (self.rank + 1) * total // world
+        share = total // world
+        return self.rank * share, self.rank * share + share // self.batch_size * self.batch_size
+
+    def __len__(self) -> int:
+        """This rank's samples per epoch."""
+        lo, hi = self.rank_range()
+        return hi - lo
+
+    def segments(self, epoch: int) -> list[Segment]:
+        """This rank's whole-epoch segments, in stream order."""
+        lo, hi = self.rank_range()
+        out, at = [], 0
+        for shard in _permutation(self.shuffle, self.seed, epoch, len(self.shard_sizes)):
+            size = self.shard_sizes[int(shard)]
+            begin, end = max(lo, at) - at, min(hi, at + size) - at
+            if begin < end:
+                out.append(Segment(int(shard), begin, end))
+            at += size
+        return out
+
+    def remaining(self, epoch: int, cursors: dict[int, int]) -> list[Segment]:
+        """The segments of `epoch` not yet yielded, given per-shard `cursors`."""
+        return [
+            Segment(s.shard, s.begin + cursors.get(s.shard, 0), s.end)
+            for s in self.segments(epoch)
+            if s.begin + cursors.get(s.shard, 0) < s.end
+        ]
+
+    def begin(self) -> None:
+        """Fix the next pass: a loaded state, else the next epoch after one begun."""
+        if not self.armed:
+            self.epoch, self.cursors = self.epoch + 1, {}
+        self.armed = True
+
+    def take(self) -> tuple[int, list[Segment]]:
+        """Start the pass (`begin` first if it was not): its epoch and remaining segments."""
+        self.begin()
+        self.armed = False
+        return self.epoch, self.remaining(self.epoch, self.cursors)
+
+    def finish(self) -> None:
+        """The pass is over: the next one is the next epoch (no-op if already so)."""
+        if not self.armed:
+            self.epoch, self.cursors, self.armed = self.epoch + 1, {}, True
+
+    def read(
+        self, sources: Sequence[ShardSource], segments: Sequence[Segment], epoch: int
+    ) -> Iterator[tuple[int, Sample]]:
+        """(shard, sample) for each of `segments`, in the epoch's block-shuffled order."""
+        for segment in segments:
+            yield from ((segment.shard, s) for s in self._read(sources[segment.shard], segment, epoch))
+
+    def _read(self, source: ShardSource, segment: Segment, epoch: int) -> Iterator[Sample]:
+        shard, begin, end = segment
+        size, step = self.shard_sizes[shard], self.BLOCK_SAMPLES
+        offset = begin // step * step
+        # one pass per segment, from its first block: blocks are cut from the same stream
+        with contextlib.closing(source.iter_from(offset)) as stream:  # type: ignore[type-var]
+            while offset < end:
+                block = list(itertools.islice(stream, min(step, size - offset)))
+                if self.shuffle:
+                    rng = np.random.default_rng([self.seed, epoch, shard, offset])
+                    block = [block[i] for i in rng.permutation(len(block))]
+                yield from block[max(begin - offset, 0) : end - offset]
+                offset += step
+
+    def worker_segments(self, segments: list[Segment]) -> list[Segment]:
+        """This DataLoader worker's share of `segments`: every ``workers``-th one."""
+        worker, workers = worker_part()
+        return segments[worker::workers]
+
+    def state_at(self, epoch: int, cursors: dict[int, int]) -> dict[str, Any]:
+        """The state of pass `epoch` with per-shard `cursors` of samples yielded."""
+        return {
+            "epoch": epoch,
+            "cursors": sorted([shard, n] for shard, n in cursors.items() if n),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shard_sizes": list(self.shard_sizes),
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state_at(self.epoch, self.cursors)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue each partly read shard from its cursor; any worker count.
+
+        Raises:
+            StateMismatchError: another seed, shuffle, dataset, world size or batch size.
+        """
+        fields = ("epoch", "cursors", "seed", "shuffle", "shard_sizes", "world_size", "batch_size")
+        state = dict(require_fields(state, fields, "stream order"))
+        require_equal(state, "seed", self.seed, "stream order", _ELASTIC_FIX)
+        require_equal(state, "shuffle", self.shuffle, "stream order", _ELASTIC_FIX)
+        state["shard_sizes"] = list(state["shard_sizes"])
+        require_equal(
+            state, "shard_sizes", self.shard_sizes, "stream order", "load it into the same split"
+        )
+        require_equal(
+            state,
+            "world_size",
+            self.world_size,
+            "stream order",
+            "a wds stream gives each rank its own run of the epoch's shards, so the saved "
+            "shard cursors fit only the saved world size: resume on that many ranks, or "
+            "convert to lmdb or hdf5, which resume on any world size",
+        )
+        require_equal(
+            state,
+            "batch_size",
+            self.batch_size,
+            "stream order",
+            "each rank's samples per epoch are whole batches of the saved size: resume with it",
+        )
+        self.epoch = int(state["epoch"])
+        self.cursors = {int(shard): int(n) for shard, n in state["cursors"]}
+        self.armed = True
+
+    def check_ranks(self, path: str, split: str) -> None:
+        """Every rank needs at least one sample per epoch (training)."""
+        if self.equal_shares and len(self) == 0:
+            raise ShardCountError(
+                f"{path} split {split!r} has {sum(self.shard_sizes)} samples, fewer than one "
+                f"batch of {self.batch_size} for each of {self.world_size} ranks; use a "
+                "smaller batch size or fewer ranks"
+            )
