@@ -141,15 +141,20 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------
 
     def _loader(self, split: str, transform: str) -> Any:
+        from dlpipe.loading.config import LoaderConfig
+
         d, r = self.config.data, self.config.run
-        return make_loader(
-            d.path,
-            split,
-            self.plan.micro_batch,
+        config = LoaderConfig(
+            batch_size=self.plan.micro_batch,
             transform=transform,
             image_size=d.image_size,
             min_crop_scale=d.min_crop_scale,
             seed=r.seed,
+        )
+        return make_loader(
+            d.path,
+            split,
+            config=config,
             num_workers=d.num_workers,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
@@ -444,6 +449,8 @@ class Trainer:
         text = to_toml(self.config)
         if self.dist.is_main:  # what the printed resume command reads
             runfolder.write_resume_config(self.config)
+        total = self.config.run.epochs * self.steps_per_epoch
+        self._log().event("schedule", steps_per_epoch=self.steps_per_epoch, total_steps=total)
         params = sum(t.numel() for t in self.model.parameters())
         if self.show_config:
             self.console.print(text.rstrip(), markup=False)
