@@ -7,6 +7,7 @@ orders them by the plan, so the output does not depend on which one ran.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import shutil
@@ -24,6 +25,8 @@ from dlpipe.errors import DlpipeError
 from dlpipe.processes import die_with_parent, stop_signals_blocked, watch_parent
 
 __all__ = ["EngineError", "WorkerDiedError", "run_local", "run_ray", "worker_init"]
+
+log = logging.getLogger("dlpipe")
 
 _FULL_BYTES = 1 << 20  # less free than this after a worker died: the disk filled up
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -146,7 +149,10 @@ def run_ray(
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         except ConnectionError as exc:
             raise EngineError(f"cannot reach the Ray cluster at {address!r}: {exc}") from exc
-    remote = ray.remote(num_cpus=1, max_retries=2)(write_task)
+    # SPREAD: else Ray pipelines short shard tasks onto the first worker, the others idle
+    remote = ray.remote(num_cpus=1, max_retries=2, scheduling_strategy="SPREAD")(
+        _write_task_on_node
+    )
     source_ref, config_ref = ray.put(source), ray.put(config)
     pending = [remote.remote(source_ref, task, config_ref) for task in tasks]
     try:
@@ -159,12 +165,23 @@ def run_ray(
             ray.cancel(ref)
 
 
+def _write_task_on_node(
+    source: Source, task: ShardTask, config: WorkerConfig
+) -> tuple[TaskResult, str]:
+    """`write_task` in a Ray task, and the id of the Ray node that wrote the shard."""
+    import ray
+
+    return write_task(source, task, config), ray.get_runtime_context().get_node_id()
+
+
 def _ray_result(ray: object, ref: object) -> TaskResult:
     try:
-        result: TaskResult = ray.get(ref)  # type: ignore[attr-defined]
+        got: tuple[TaskResult, str] = ray.get(ref)  # type: ignore[attr-defined]
     except Exception as exc:  # a RayTaskError wraps the worker's exception
         cause = getattr(exc, "cause", None)
         if isinstance(cause, DlpipeError):
             raise cause from None
         raise
+    result, node = got
+    log.info("shard %s written on Ray node %s", result.name, node)
     return result
