@@ -81,19 +81,17 @@ from dlpipe.converters.source import (
     raw_folder_of,
     read_file,
 )
-from dlpipe.converters.table_files import (
+from dlpipe.converters.table_files import FileScan, read_row, scan_file
+from dlpipe.converters.table_names import (
     ID_AS_IMAGE,
     IMAGE_NAMES,
     LABEL_NAMES,
     TABLE_SUFFIXES,
     Columns,
-    FileScan,
     find_columns,
     find_tables,
     folder_tables,
     is_table,
-    read_row,
-    scan_file,
     split_of_name,
     string_columns,
 )

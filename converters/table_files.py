@@ -1,8 +1,7 @@
-"""One table file of the ``table`` source: finding it, reading it, and what it holds.
+"""One table file of the ``table`` source: reading it, and what it holds.
 
-`find_tables` lists a root's table files in scan order and `split_of_name` gives the split a
-file's name names; `find_columns` tells which column is the image, label, split and key, and
-`scan_file` gathers one file's rows (splits, raw labels, ids, image facts) for the scan;
+`scan_file` gathers one file's rows (splits, raw labels, ids, image facts) for the scan (which
+files are tables, their splits and the role of each column: `dlpipe.converters.table_names`);
 `read_row` reads one row lazily, keeping the last 8 text tables or Parquet row groups per
 process. The layout, split and column rules are stated in `dlpipe.converters.table`.
 
@@ -34,13 +33,20 @@ from dlpipe.converters.source import (
     SourceError,
     SourceOptions,
     display_path,
-    file_problem,
     image_kind_of_bytes,
     image_kind_of_name,
-    is_ignored_name,
     open_regular,
     raw_folder_of,
-    unlistable,
+)
+from dlpipe.converters.table_names import (
+    TABLE_SUFFIXES,
+    TEXT_AS_STRING,
+    Columns,
+    find_columns,
+    is_bytes,
+    is_image_struct,
+    split_of_name,
+    string_columns,
 )
 from dlpipe.converters.table_paths import (
     PROBE_ROWS,
@@ -51,126 +57,10 @@ from dlpipe.converters.table_paths import (
 from dlpipe.storage import is_inside
 
 __all__ = [
-    "ID_AS_IMAGE",
-    "IMAGE_NAMES",
-    "LABEL_NAMES",
-    "NO_LABEL",
-    "TABLE_SUFFIXES",
-    "Columns",
     "FileScan",
-    "find_columns",
-    "find_tables",
-    "folder_tables",
-    "is_table",
     "read_row",
     "scan_file",
-    "split_of_name",
-    "string_columns",
 ]
-
-TABLE_SUFFIXES = {
-    ".csv": "csv",
-    ".tsv": "tsv",
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".parquet": "parquet",
-}
-_SPLIT_PREFIXES = (("validation", "val"), ("train", "train"), ("val", "val"), ("test", "test"))
-IMAGE_NAMES = ("image", "img", "image_path", "path", "file", "filename", "filepath", "file_name")
-LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "class_name")
-_KEY_NAMES = ("__key__", "key", "id")
-_SPLIT_COL = "split"
-ID_AS_IMAGE = "id"
-"""The column that names the image files when no column has an image name (Kaggle)."""
-NO_LABEL = "none"
-"""``--label-col none``: the table has no label column."""
-_DOC_PREFIXES = ("readme", "license")
-_TEXT_AS_STRING = _KEY_NAMES + IMAGE_NAMES  # CSV columns never inferred as numbers ("001")
-
-
-def split_of_name(filename: str) -> str | None:
-    """The split a table file's name gives (``train-00000-of-00002.parquet`` → ``train``)."""
-    stem = os.path.splitext(os.path.basename(filename))[0].lower()
-    for prefix, split in _SPLIT_PREFIXES:
-        if stem == prefix or (stem.startswith(prefix) and not stem[len(prefix)].isalnum()):
-            return split
-    return None
-
-
-def _has_table_suffix(path: str) -> bool:
-    return os.path.splitext(path)[1].lower() in TABLE_SUFFIXES
-
-
-def is_table(path: str) -> bool:
-    """True for a file with a table suffix (``.csv``, ``.tsv``, ``.jsonl``, ...)."""
-    return os.path.isfile(path) and _has_table_suffix(path)
-
-
-def _visible(folder: str) -> list[str]:
-    try:
-        return sorted(n for n in os.listdir(folder) if not is_ignored_name(n))
-    except OSError as exc:
-        raise unlistable(folder, exc) from exc
-
-
-def _is_real_folder(path: str) -> bool:
-    return os.path.isdir(path) and not os.path.islink(path)
-
-
-def folder_tables(root: str, strict: bool) -> list[str] | None:
-    """The table files of `root` and of ``root/data/``, sorted.
-
-    Args:
-        root: the folder.
-        strict: return None when `root` holds anything but tables (and docs): detection.
-            Otherwise other entries (an image folder beside the tables) are ignored.
-    """
-    found = []
-    for name in _visible(root):
-        path = os.path.join(root, name)
-        is_data = name == "data" and _is_real_folder(path)
-        inner = [os.path.join(path, n) for n in _visible(path)] if is_data else []
-        if _has_table_suffix(path) and not os.path.isdir(path):
-            found.append(path)  # a FIFO or a link out named .csv is refused by find_tables
-        elif inner and all(_has_table_suffix(p) and not os.path.isdir(p) for p in inner):
-            found += inner
-        elif strict and not (os.path.isfile(path) and name.lower().startswith(_DOC_PREFIXES)):
-            return None
-    return sorted(found) or None
-
-
-def find_tables(root: str) -> list[str]:
-    """The table files of `root`, in scan order; SourceError when `root` is no table layout.
-
-    Args:
-        root: one table file, or a folder of them (directly or under ``data/``); other entries
-            of the folder (an image folder beside the tables) are ignored.
-    """
-    if os.path.isfile(root):
-        files = [root] if is_table(root) else None
-    else:
-        files = folder_tables(root, strict=False) if os.path.isdir(root) else None
-    if not files:
-        raise SourceError(
-            f"{display_path(root)}: not a table file or a folder of them (suffixes: "
-            f"{' '.join(TABLE_SUFFIXES)}); give the table file itself"
-        )
-    folder = raw_folder_of(root)
-    for path in files:
-        problem = file_problem(path, folder)
-        if problem is not None:
-            raise SourceError(
-                f"{display_path(path)}: {problem}, not a regular table file; dlpipe reads "
-                "only regular files inside the raw folder (replace it with the table, or "
-                "remove it)"
-            )
-    unnamed = [os.path.basename(f) for f in files if split_of_name(f) is None]
-    if unnamed and len(unnamed) < len(files):
-        raise SourceError(
-            f"{root}: {', '.join(unnamed)} name no split beside tables that do; rename "
-            "them to start with train, val or test, or give one table file as the source"
-        )
-    return sorted(files, key=lambda f: (split_of_name(f) or "", os.path.basename(f), f))
 
 
 def _open_table(path: str, folder: str) -> Any:
@@ -213,7 +103,7 @@ def _parse_table(
             f,
             parse_options=pa_csv.ParseOptions(delimiter="\t" if fmt == "tsv" else ","),
             convert_options=pa_csv.ConvertOptions(
-                column_types=dict.fromkeys(_TEXT_AS_STRING + strings, pa.string()),
+                column_types=dict.fromkeys(TEXT_AS_STRING + strings, pa.string()),
                 strings_can_be_null=True,
             ),
         )
@@ -287,84 +177,6 @@ def read_row(
     return part.slice(row, 1).to_pylist()[0], part.schema
 
 
-def string_columns(options: SourceOptions) -> tuple[str, ...]:
-    """CSV/TSV columns to read as text whatever they look like: the given image column."""
-    return (options.image_col,) if options.image_col else ()
-
-
-@dataclass(frozen=True)
-class Columns:
-    """The role each column of a table plays (`extra` columns go to ``json``)."""
-
-    image: str
-    label: str | None
-    split: str | None
-    key: str | None
-    extra: tuple[str, ...]
-
-
-def _is_image_struct(kind: pa.DataType) -> bool:
-    """The Hugging Face Image feature: a struct with ``bytes`` and ``path`` fields."""
-    if not pa.types.is_struct(kind):
-        return False
-    return {"bytes", "path"} <= {kind.field(i).name for i in range(kind.num_fields)}
-
-
-def _is_bytes(kind: pa.DataType) -> bool:
-    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
-
-
-def _guess(names: Sequence[str], candidates: Sequence[str], taken: set[str]) -> str | None:
-    for want in candidates:
-        for name in names:
-            if name.lower() == want and name not in taken:
-                return name
-    return None
-
-
-def _given(name: str, schema: pa.Schema, flag: str, path: str) -> str:
-    if name not in schema.names:
-        raise SourceError(
-            f"{path}: {flag} {name!r} is not a column; the columns are {', '.join(schema.names)}"
-        )
-    return name
-
-
-def _image_column(schema: pa.Schema, given: str | None, path: str) -> str:
-    if given:
-        return _given(given, schema, "--image-col", path)
-    name = _guess(schema.names, IMAGE_NAMES, set())
-    typed = [f.name for f in schema if _is_bytes(f.type) or _is_image_struct(f.type)]
-    if name is None and len(typed) == 1:
-        name = typed[0]
-    if name is None:  # Kaggle's id,label tables: the id names the image file (no suffix)
-        name = _guess(schema.names, (ID_AS_IMAGE,), set())
-    if name is None:
-        raise SourceError(
-            f"{path}: no image column (looked for {', '.join(IMAGE_NAMES)}); the columns are "
-            f"{', '.join(schema.names)}: name the one with image paths or bytes with --image-col"
-        )
-    return name
-
-
-def find_columns(schema: pa.Schema, options: SourceOptions, path: str) -> Columns:
-    """Which column is the image, label, split and key; every other column is extra."""
-    image = _image_column(schema, options.image_col, path)
-    if options.label_col and options.label_col.lower() == NO_LABEL:
-        label: str | None = None
-    elif options.label_col:
-        label = _given(options.label_col, schema, "--label-col", path)
-    else:
-        label = _guess(schema.names, LABEL_NAMES, {image})
-    split = None
-    if split_of_name(path) is None and _SPLIT_COL in schema.names:
-        split = _SPLIT_COL if _SPLIT_COL not in (image, label) else None
-    taken = {label or "", split or ""} | ({image} if image.lower() != ID_AS_IMAGE else set())
-    key = _guess(schema.names, _KEY_NAMES, taken)
-    used = {image, label, split}
-    return Columns(image, label, split, key, tuple(sorted(set(schema.names) - used)))
-
-
 @dataclass
 class FileScan:
     """What one table file contributes to the scan, before labels become class indices."""
@@ -416,9 +228,9 @@ def _row_splits(table: pa.Table, cols: Columns, scan: FileScan) -> list[str | No
 
 def _image_arrays(chunk: pa.Array, cols: Columns, name: str) -> tuple[pa.Array, pa.Array]:
     """The image column as (encoded bytes, paths), each null where the other one holds it."""
-    if _is_image_struct(chunk.type):
+    if is_image_struct(chunk.type):
         return pc.struct_field(chunk, "bytes"), pc.struct_field(chunk, "path")
-    if _is_bytes(chunk.type):
+    if is_bytes(chunk.type):
         return chunk, pa.nulls(len(chunk), pa.string())
     if pa.types.is_string(chunk.type) or pa.types.is_large_string(chunk.type):
         return pa.nulls(len(chunk), pa.binary()), chunk
