@@ -27,7 +27,7 @@ from rich.markup import escape
 from torch import nn
 
 from dlpipe.errors import SplitTooSmallError
-from dlpipe.loading.loader import LoaderStateError, make_loader
+from dlpipe.loading.loader import make_loader
 from dlpipe.loading.state import StateMismatchError
 from dlpipe.train import checkpoint as ckpt
 from dlpipe.train import preflight, runfolder
@@ -101,9 +101,9 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
         self.optimizer = build_optimizer(model, o)
-        n_train = self.manifest.split(d.train_split).samples
-        batches = n_train // self.dist.world_size // self.plan.micro_batch
+        batches = len(self.train_loader)  # exactly what this rank yields per epoch, any format
         if batches == 0:
+            n_train = self.manifest.split(d.train_split).samples
             raise SplitTooSmallError(
                 f"split {d.train_split!r} has {n_train} samples, fewer than one micro-batch "
                 f"({self.plan.micro_batch}) per rank; lower --batch-size or --micro-batch"
@@ -347,13 +347,6 @@ class Trainer:
         except StateMismatchError as exc:
             raise ckpt.CheckpointError(
                 f"checkpoint {path} cannot continue this run's data: {exc}"
-            ) from None
-        except LoaderStateError as exc:
-            raise ckpt.CheckpointError(
-                f"checkpoint {path} saved its data position with --num-workers "
-                f"{exc.saved_workers}, this run has {exc.workers} loader workers; the position "
-                f"resumes exactly only with the same count: add --num-workers {exc.saved_workers} "
-                "(bench-loader's choice then applies from the next run folder on)"
             ) from None
         if same_ranks:
             ckpt.set_rng_state(mine["rng"])
