@@ -1,4 +1,9 @@
-"""``dlpipe bench-loader``: measure, search, say what limits the pipeline, save the winner."""
+"""``dlpipe bench-loader``: measure, search, say what limits the pipeline, save the winner.
+
+The flags that say what the batches are (``--batch-size``, ``--transform``, ``--image-size``,
+``--min-crop-scale``) make one `LoaderConfig`, the one ``dlpipe train`` builds from the same
+values, so the saved profile is found by the training run it was measured for.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +18,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from dlpipe.cli import non_negative_int, positive_float, positive_int
+from dlpipe.loading.config import LoaderConfig
 from dlpipe.loading.profile import ProfileSaveError
 
 if TYPE_CHECKING:  # the tuner imports torch: only when the command runs
     from dlpipe.loading.tune import BenchReport, Trial
 
-__all__ = ["add_bench_parser", "run_bench_loader"]
+__all__ = ["add_bench_parser", "crop_scale", "run_bench_loader"]
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,8 +32,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("data", help="dataset folder or URL")
     p.add_argument("--split", default="train")
     p.add_argument("--batch-size", type=positive_int, default=64)
-    p.add_argument("--transform", choices=["train", "eval"], default="train")
+    p.add_argument(
+        "--transform",
+        choices=["auto", "train", "eval"],
+        default="auto",
+        help="auto: train for the train split, else eval",
+    )
     p.add_argument("--image-size", type=positive_int, default=224)
+    p.add_argument(
+        "--min-crop-scale",
+        type=crop_scale,
+        default=0.08,
+        help="smallest train crop's area share, as dlpipe train's --min-crop-scale (0.08)",
+    )
     p.add_argument(
         "--budget", type=positive_float, default=60.0, help="seconds for the whole search"
     )
@@ -46,15 +63,27 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_bench_loader)
 
 
+def crop_scale(text: str) -> float:
+    """An argparse type: a share of the image area in (0, 1]."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} is not an area share in (0, 1]")
+    return value
+
+
 def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
     from dlpipe.loading.tune import BenchConfig, bench_loader, save_winner
 
-    config = BenchConfig(
-        path=args.data,
-        split=args.split,
+    loader = LoaderConfig(
         batch_size=args.batch_size,
         transform=args.transform,
         image_size=args.image_size,
+        min_crop_scale=args.min_crop_scale,
+    )
+    config = BenchConfig(
+        path=args.data,
+        split=args.split,
+        loader=loader,
         budget_s=args.budget,
         max_workers=args.max_workers,
         device=args.device,

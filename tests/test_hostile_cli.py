@@ -466,13 +466,10 @@ def test_a_read_only_dataset_saves_its_profile_in_the_cache(small_dataset, tmp_p
     view = _read_only_bind(small_dataset, tmp_path / "ro")
     try:
         mine = profiles.LoaderProfile(
-            num_workers=1,
-            prefetch_factor=2,
-            pin_memory=False,
-            persistent_workers=True,
+            settings=dlpipe.WorkerSettings(num_workers=1),
             samples_per_s=1.0,
             machine=profiles.machine_key(),
-            loader=profiles.loader_key("train", 2, "eval", 16),
+            loader=profiles.loader_key("train", _EVAL_16),
         )
         where = profiles.save_profile(view, mine)
     finally:
@@ -487,6 +484,9 @@ def test_a_bad_plot_path_does_not_hide_the_results(small_dataset, tmp_path, caps
     assert main(["bench-loader", small_dataset, *bench, "--plot", str(plot)]) == 1
     printed = capsys.readouterr()
     assert "chosen:" in printed.out and str(plot) in one_error_line(printed.err)
+
+
+_EVAL_16 = dlpipe.LoaderConfig(batch_size=2, transform="eval", image_size=16)
 
 
 def _fifo(path: str) -> None:
@@ -510,7 +510,7 @@ def _fork_bomb(path: str) -> None:
         "persistent_workers": True,
         "samples_per_s": 1.0,
         "machine": profiles.machine_key(),
-        "loader": profiles.loader_key("train", 2, "eval", 16),
+        "loader": profiles.loader_key("train", _EVAL_16),
         "created_by": "0",
     }
     document = {"schema": profiles.SCHEMA_NAME, "schema_version": 1, "profiles": [profile]}

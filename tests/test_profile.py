@@ -11,9 +11,15 @@ import pytest
 
 import dlpipe
 from dlpipe.loading import profile as profiles
+from dlpipe.loading.config import LoaderConfig, WorkerSettings
 from dlpipe.loading.profile import LoaderProfile, ProfileError, find_profile, save_profile
 
-KEY = {"split": "train", "batch_size": 4, "transform": "train", "image_size": 24}
+CONFIG = LoaderConfig(batch_size=4, transform="train", image_size=24)
+KEY = {"split": "train", "config": CONFIG}
+
+
+def _key(split: str = "train", **changes) -> dict:
+    return {"split": split, "config": CONFIG.replace(**changes)}
 
 
 @pytest.fixture(autouse=True)
@@ -25,12 +31,9 @@ def cache_dir(tmp_path, monkeypatch):
     return cache
 
 
-def _profile(**changes) -> LoaderProfile:
+def _profile(num_workers: int = 3, **changes) -> LoaderProfile:
     values = {
-        "num_workers": 3,
-        "prefetch_factor": 5,
-        "pin_memory": False,
-        "persistent_workers": True,
+        "settings": WorkerSettings(num_workers=num_workers, prefetch_factor=5, pin_memory=False),
         "samples_per_s": 1234.4,
         "machine": profiles.machine_key(),
         "loader": profiles.loader_key(**KEY),
@@ -52,21 +55,34 @@ def test_save_then_find_round_trips_beside_the_dataset(make_dataset) -> None:
 def test_saving_the_same_key_replaces_and_other_keys_are_kept(make_dataset) -> None:
     path = make_dataset("lmdb")
     save_profile(path, _profile())
-    other = _profile(loader=profiles.loader_key(**(KEY | {"batch_size": 8})))
+    other = _profile(loader=profiles.loader_key(**_key(batch_size=8)))
     save_profile(path, other)
     where = save_profile(path, _profile(num_workers=7))
     assert len(json.loads(Path(where).read_text())["profiles"]) == 2
-    assert find_profile(path, **KEY)[0].num_workers == 7
-    assert find_profile(path, **(KEY | {"batch_size": 8}))[0] == other
+    assert find_profile(path, **KEY)[0].settings.num_workers == 7
+    assert find_profile(path, **_key(batch_size=8))[0] == other
 
 
 @pytest.mark.parametrize(
-    "change", [{"batch_size": 8}, {"image_size": 32}, {"transform": "eval"}, {"split": "val"}]
+    "change",
+    [
+        {"batch_size": 8},
+        {"image_size": 32},
+        {"transform": "eval"},
+        {"min_crop_scale": 0.5},
+        {"split": "val"},
+    ],
 )
-def test_a_different_loader_call_finds_nothing(make_dataset, change) -> None:
+def test_a_different_loader_config_finds_nothing(make_dataset, change) -> None:
     path = make_dataset("lmdb")
     save_profile(path, _profile())
-    assert find_profile(path, **(KEY | change)) is None
+    assert find_profile(path, **_key(**change)) is None
+
+
+def test_order_and_seed_do_not_change_the_key(make_dataset) -> None:
+    path = make_dataset("lmdb")
+    save_profile(path, _profile())
+    assert find_profile(path, **_key(seed=7, shuffle=False, drop_last=False)) is not None
 
 
 @pytest.mark.parametrize("what", ["gpu", "cpus"])
@@ -81,15 +97,28 @@ def test_a_different_machine_finds_nothing(make_dataset, monkeypatch, what) -> N
 
 
 def test_transform_names_in_the_key() -> None:
-    def name(transform, split="train"):
-        return profiles.loader_key(split, 4, transform, 24)["transform"]
+    def key(transform, split="train"):
+        found = profiles.loader_key(split, CONFIG.replace(transform=transform, min_crop_scale=0.3))
+        return found["transform"], found["min_crop_scale"]
 
-    assert [name("auto"), name("auto", "val"), name(None), name(len)] == [
-        "train",
-        "eval",
-        "none",
-        "custom",
+    assert [key("auto"), key("auto", "val"), key(None), key(len)] == [
+        ("train", 0.3),
+        ("eval", None),  # the crop scale counts only for the train crop
+        ("none", None),
+        ("custom", None),
     ]
+
+
+def test_a_profile_saved_before_the_crop_scale_was_keyed_reads_as_the_default(
+    make_dataset,
+) -> None:
+    path = make_dataset("lmdb")
+    where = save_profile(path, _profile())
+    document = json.loads(Path(where).read_text())
+    del document["profiles"][0]["loader"]["min_crop_scale"]
+    Path(where).write_text(json.dumps(document))
+    assert find_profile(path, **_key(min_crop_scale=0.08)) is not None
+    assert find_profile(path, **_key(min_crop_scale=0.5)) is None
 
 
 def test_read_only_dataset_falls_back_to_the_user_cache(make_dataset, monkeypatch, cache_dir):
@@ -139,7 +168,7 @@ def test_no_profile_gives_the_defaults(make_dataset, caplog) -> None:
 
 
 def test_a_profile_passed_directly_is_used_as_is(make_dataset) -> None:
-    other_machine = _profile(num_workers=1, machine={"cpus": 1, "gpu": "none", "torch": "0"})
+    other_machine = _profile(1, machine={"cpus": 1, "gpu": "none", "torch": "0"})
     loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, profile=other_machine)
     assert (loader.num_workers, loader.prefetch_factor) == (1, 5)
 

@@ -1,8 +1,9 @@
 """Loader profiles: measured DataLoader worker settings, saved and found again.
 
-``dlpipe bench-loader`` measures worker settings for one dataset on one machine and saves the
-fastest as a `LoaderProfile`; ``make_loader(profile="auto")`` finds it again. A profile only
-counts for the exact machine (`machine_key`) and loader call (`loader_key`) it was measured on.
+``dlpipe bench-loader`` measures `WorkerSettings` for one dataset on one machine and saves the
+fastest as a `LoaderProfile`; ``make_loader(workers="auto")`` finds it again. A profile only
+counts for the exact machine (`machine_key`) and `LoaderConfig` (`loader_key`, the one place a
+config becomes a key) it was measured on.
 
 Profiles live beside the dataset in ``dlpipe-profiles.json``, or, when the dataset folder is not
 writable (or is a URL), in ``$XDG_CACHE_HOME/dlpipe/profiles/<16 hex>.json``, named by the
@@ -15,10 +16,13 @@ SHA-256 of the dataset's absolute path or URL. Schema version 1::
          "persistent_workers": true, "samples_per_s": 1234.5,
          "machine": {"cpus": 16, "gpu": "NVIDIA H200", "torch": "2.4.0"},
          "loader": {"split": "train", "batch_size": 256, "transform": "train",
-                    "image_size": 224},
+                    "image_size": 224, "min_crop_scale": 0.08},  # null unless "train"
          "created_by": "0.1.0"}
       ]
     }
+
+A ``loader`` key without ``min_crop_scale`` (written before the tuner measured the crop scale)
+was measured with the default crop, 0.08, and is read as such.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.errors import DlpipeError
+from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
 from dlpipe.machine import usable_cpus
 from dlpipe.manifest import PROFILES_NAME
 
@@ -50,7 +54,6 @@ __all__ = [
     "machine_key",
     "save_profile",
     "select_profile",
-    "transform_name",
 ]
 
 SCHEMA_NAME = "dlpipe.loader-profiles"
@@ -62,7 +65,8 @@ MAX_NUM_WORKERS = 256
 MAX_PREFETCH_FACTOR = 64
 MAX_PROFILES_BYTES = 1 << 20
 _MACHINE_KEYS = {"cpus", "gpu", "torch"}
-_LOADER_KEYS = {"split", "batch_size", "transform", "image_size"}
+_LOADER_KEYS = {"split", "batch_size", "transform", "image_size", "min_crop_scale"}
+_LEGACY_CROP_SCALE = 0.08  # what the tuner measured before the key named the crop scale
 
 log = logging.getLogger("dlpipe")
 
@@ -77,27 +81,35 @@ class ProfileSaveError(DlpipeError, OSError):
 
 @dataclass(frozen=True, kw_only=True)
 class LoaderProfile:
-    """DataLoader worker settings measured for one dataset, machine and loader call.
+    """Worker settings measured for one dataset, machine and loader config.
 
     Attributes:
-        num_workers, prefetch_factor, pin_memory, persistent_workers: the settings.
+        settings: the measured `WorkerSettings`.
         samples_per_s: the throughput they were measured at.
         machine: the `machine_key` of the machine they were measured on.
-        loader: the `loader_key` of the loader call they were measured for.
+        loader: the `loader_key` of the loader config they were measured for.
         created_by: the dlpipe version that measured them.
     """
 
-    num_workers: int
-    prefetch_factor: int | None
-    pin_memory: bool
-    persistent_workers: bool
+    settings: WorkerSettings
     samples_per_s: float
     machine: dict[str, Any]
     loader: dict[str, Any]
     created_by: str = __version__
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The profile as stored: the settings' fields at the top level, then the rest."""
+        s = self.settings
+        return {
+            "num_workers": s.num_workers,
+            "prefetch_factor": s.prefetch_factor,
+            "pin_memory": s.pin_memory,
+            "persistent_workers": s.persistent_workers,
+            "samples_per_s": self.samples_per_s,
+            "machine": dict(self.machine),
+            "loader": dict(self.loader),
+            "created_by": self.created_by,
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> LoaderProfile:
@@ -105,18 +117,23 @@ class LoaderProfile:
         if not isinstance(data, dict):
             raise ProfileError("a profile is not a JSON object")
         try:
-            return cls(
+            settings = WorkerSettings(
                 num_workers=_count(data["num_workers"], "num_workers", MAX_NUM_WORKERS),
                 prefetch_factor=_prefetch(data["prefetch_factor"]),
                 pin_memory=_flag(data["pin_memory"], "pin_memory"),
                 persistent_workers=_flag(data["persistent_workers"], "persistent_workers"),
+            )
+            return cls(
+                settings=settings,
                 samples_per_s=_rate(data["samples_per_s"]),
                 machine=_keyed(data["machine"], "machine", _MACHINE_KEYS),
-                loader=_keyed(data["loader"], "loader", _LOADER_KEYS),
+                loader=_loader_keyed(data["loader"]),
                 created_by=_text(data["created_by"], "created_by"),
             )
         except KeyError as exc:
             raise ProfileError(f"a profile is missing key {exc.args[0]!r}") from None
+        except LoaderConfigError as exc:
+            raise ProfileError(str(exc)) from None
 
     def matches(self, machine: dict[str, Any], loader: dict[str, Any]) -> bool:
         return self.machine == machine and self.loader == loader
@@ -136,26 +153,17 @@ def machine_key() -> dict[str, Any]:
     return {"cpus": usable_cpus(), "gpu": gpu_name(), "torch": torch.__version__.split("+")[0]}
 
 
-def transform_name(transform: str | Callable[..., Any] | None, split: str) -> str:
-    """``"train"``/``"eval"`` (``"auto"`` resolved by `split`), ``"none"`` or ``"custom"``."""
-    if transform is None:
-        return "none"
-    if callable(transform):
-        return "custom"
-    if transform == "auto":
-        return "train" if split == "train" else "eval"
-    return str(transform)
-
-
-def loader_key(
-    split: str, batch_size: int, transform: str | Callable[..., Any] | None, image_size: int
-) -> dict[str, Any]:
-    """What a profile's settings were measured for: one `make_loader` call's data options."""
+def loader_key(split: str, config: LoaderConfig) -> dict[str, Any]:
+    """What a profile's settings were measured for: the split and the parts of `config` that
+    change the work per sample (the order and the seed do not; the crop scale only for the
+    ``"train"`` transform, None for the others)."""
+    transform = config.transform_name(split)
     return {
         "split": split,
-        "batch_size": batch_size,
-        "transform": transform_name(transform, split),
-        "image_size": image_size,
+        "batch_size": config.batch_size,
+        "transform": transform,
+        "image_size": config.image_size,
+        "min_crop_scale": float(config.min_crop_scale) if transform == "train" else None,
     }
 
 
@@ -219,12 +227,10 @@ def find_profile(
     dataset_path: str | os.PathLike[str],
     *,
     split: str,
-    batch_size: int,
-    transform: str | Callable[..., Any] | None,
-    image_size: int,
+    config: LoaderConfig,
     strict: bool = True,
 ) -> tuple[LoaderProfile, str] | None:
-    """The saved profile for this machine and loader call, and the file it came from.
+    """The saved profile for this machine, split and loader config, and the file it came from.
 
     Looks beside the dataset, then in the user cache; only an exact `machine_key` and
     `loader_key` match counts. With ``strict=False`` a malformed file is one warning on the
@@ -235,7 +241,7 @@ def find_profile(
             schema version.
     """
     path = os.fspath(dataset_path)
-    machine, loader = machine_key(), loader_key(split, batch_size, transform, image_size)
+    machine, loader = machine_key(), loader_key(split, config)
     for source in (storage.join(path, PROFILES_NAME), cache_file(path)):
         try:
             found = _read(source)
@@ -255,9 +261,7 @@ def select_profile(
     dataset_path: str | os.PathLike[str],
     *,
     split: str,
-    batch_size: int,
-    transform: str | Callable[..., Any] | None,
-    image_size: int,
+    config: LoaderConfig,
 ) -> LoaderProfile | None:
     """`make_loader`'s ``profile=``: ``"auto"`` finds a saved one (and logs it), else as given.
 
@@ -268,14 +272,7 @@ def select_profile(
         return profile
     if profile != "auto":
         raise ProfileError(f"profile={profile!r}: pass 'auto', a LoaderProfile or None")
-    found = find_profile(
-        dataset_path,
-        split=split,
-        batch_size=batch_size,
-        transform=transform,
-        image_size=image_size,
-        strict=False,
-    )
+    found = find_profile(dataset_path, split=split, config=config, strict=False)
     if found is None:
         log.debug(
             "no loader profile for %s on this machine; using default worker settings",
@@ -287,9 +284,9 @@ def select_profile(
         "using loader profile from %s: num_workers=%d prefetch_factor=%s pin_memory=%s "
         "(measured %.0f samples/s)",
         source,
-        chosen.num_workers,
-        chosen.prefetch_factor,
-        chosen.pin_memory,
+        chosen.settings.num_workers,
+        chosen.settings.prefetch_factor,
+        chosen.settings.pin_memory,
         chosen.samples_per_s,
     )
     return chosen
@@ -380,6 +377,15 @@ def _text(value: Any, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise ProfileError(f"{what} {value!r} is not a non-empty string")
     return value
+
+
+def _loader_keyed(value: Any) -> dict[str, Any]:
+    """A profile's ``loader`` key; one written before the crop scale was keyed was measured
+    with the default crop (0.08) when its transform is ``"train"``."""
+    if isinstance(value, dict) and set(value) == _LOADER_KEYS - {"min_crop_scale"}:
+        scale = _LEGACY_CROP_SCALE if value.get("transform") == "train" else None
+        value = {**value, "min_crop_scale": scale}
+    return _keyed(value, "loader", _LOADER_KEYS)
 
 
 def _keyed(value: Any, what: str, keys: set[str]) -> dict[str, Any]:

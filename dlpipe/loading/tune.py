@@ -1,5 +1,9 @@
 """Measure the input pipeline and search its worker settings: what ``dlpipe bench-loader`` runs.
 
+The tuner measures one `LoaderConfig` (the batches a trainer will ask for: batch size,
+transform, image size, crop scale) and searches only the `WorkerSettings`, so the profile it
+saves is keyed by exactly that config and found again by the loader that uses it.
+
 1. **Stages**, on one process: read the samples' bytes, then + decode, + transform,
    + collate. The per-sample cost each stage adds names the bottleneck.
 2. **Search**: each trial builds `make_loader` with one setting and measures samples/s after a
@@ -26,6 +30,7 @@ import torch.utils.data
 
 from dlpipe._version import __version__
 from dlpipe.errors import SplitTooSmallError
+from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
 from dlpipe.loading.dataset import open_dataset
 from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
@@ -47,15 +52,32 @@ _MEMORY_SHARE = 0.8
 
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
+    """What ``bench-loader`` measures and how long it may search.
+
+    Attributes:
+        path, split: the dataset and split.
+        loader: the loader config measured (resolved for `split` here); its transform must
+            be an image transform (``"auto"``, ``"train"`` or ``"eval"``).
+        budget_s: seconds for the whole search.
+        max_workers: the largest ``num_workers`` tried (default: 2 x the usable cores).
+        device: ``"cuda"`` also tries ``pin_memory``.
+    """
+
     path: str
     split: str = "train"
-    batch_size: int = 64
-    transform: str = "train"
-    image_size: int = 224
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
     budget_s: float = 60.0
     max_workers: int | None = None
     device: str = "cpu"
-    seed: int = 0
+
+    def __post_init__(self) -> None:
+        resolved = self.loader.resolved(self.split)
+        if resolved.transform not in ("train", "eval"):
+            raise LoaderConfigError(
+                f"transform={self.loader.transform!r}: bench-loader measures the image "
+                "transforms only; pass transform 'auto', 'train' or 'eval'"
+            )
+        object.__setattr__(self, "loader", resolved)
 
     def worker_limit(self) -> int:
         return self.max_workers if self.max_workers is not None else 2 * usable_cpus()
@@ -96,12 +118,14 @@ class Trial:
     worker_rss_bytes: int = 0
     skipped: str | None = None
 
-    def settings(self) -> dict[str, Any]:
-        return {
-            "num_workers": self.num_workers,
-            "prefetch_factor": self.prefetch_factor,
-            "pin_memory": self.pin_memory,
-        }
+    def settings(self) -> WorkerSettings:
+        """The worker settings this trial measures (workers persist when there are any)."""
+        return WorkerSettings(
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
 
 
 @dataclass
@@ -133,9 +157,15 @@ def _clock(iterable: Iterator[Any], seconds: float, minimum: int) -> tuple[list[
 
 
 def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
-    """One process, stage by stage, on the first samples of the split."""
+    """One process, stage by stage, on the first samples of the split, with the transform
+    the loader builds from the config."""
+    from dlpipe.loading.loader import make_transform
+
+    batch_size = config.loader.batch_size
     dataset = open_dataset(config.path, config.split, rank=0, world_size=1)
-    samples, read_s = _clock(iter(dataset), seconds, minimum=config.batch_size)
+    transform = make_transform(config.loader, dataset)
+    assert isinstance(transform, ImageTransform)  # BenchConfig admits image transforms only
+    samples, read_s = _clock(iter(dataset), seconds, minimum=batch_size)
     field_name = image_field(list(dataset.manifest.fields))
     nbytes = sum(len(s[field_name]) for s in samples)
     threads = torch.get_num_threads()
@@ -143,13 +173,12 @@ def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
     start = time.perf_counter()
     images = [decode_rgb(s[field_name]) for s in samples]
     decode_s = time.perf_counter() - start
-    transform = ImageTransform(config.transform, config.image_size, field_name, config.seed)
     start = time.perf_counter()
     crops = [transform.ops()(image) for image in images]
     transform_s = time.perf_counter() - start
     start = time.perf_counter()
-    for i in range(0, len(crops) - config.batch_size + 1, config.batch_size):
-        torch.utils.data.default_collate(crops[i : i + config.batch_size])
+    for i in range(0, len(crops) - batch_size + 1, batch_size):
+        torch.utils.data.default_collate(crops[i : i + batch_size])
     collate_s = time.perf_counter() - start
     dataset.close()
     torch.set_num_threads(threads)
@@ -199,16 +228,7 @@ def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
     """Measure one setting: warm up, then windows until the rate is stable."""
     from dlpipe.loading.loader import make_loader
 
-    loader = make_loader(
-        config.path,
-        config.split,
-        config.batch_size,
-        transform=config.transform,
-        image_size=config.image_size,
-        seed=config.seed,
-        profile=None,
-        **trial.settings(),
-    )
+    loader = make_loader(config.path, config.split, config=config.loader, workers=trial.settings())
     with warnings.catch_warnings():  # more workers than cores is what a search tries
         warnings.filterwarnings("ignore", message=".*num_workers.*", category=UserWarning)
         _measure(_batches(loader), trial, seconds)
@@ -335,10 +355,10 @@ def bench_loader(
 ) -> BenchReport:
     """Stages, search, verdict (see the module docstring); saves nothing (the CLI does)."""
     samples = read_manifest(config.path).split(config.split).samples
-    if samples < config.batch_size:
+    if samples < config.loader.batch_size:
         raise SplitTooSmallError(
             f"{config.path} split {config.split!r} has {samples} samples, fewer than one batch "
-            f"of {config.batch_size}; lower --batch-size"
+            f"of {config.loader.batch_size}; lower --batch-size"
         )
     stages = measure_stages(config, seconds=min(max(config.budget_s / 20, 1.0), 5.0))
     report = BenchReport(config=config, stages=stages)
@@ -346,7 +366,7 @@ def bench_loader(
     measured = [t for t in report.trials if not t.skipped]
     report.best = max(measured, key=lambda t: t.samples_per_s)
     report.bottleneck, report.advice = verdict(
-        stages, report.best, usable_cpus(), config.image_size
+        stages, report.best, usable_cpus(), config.loader.image_size
     )
     return report
 
@@ -360,13 +380,10 @@ def save_winner(report: BenchReport) -> str:
     best, cfg = report.best, report.config
     assert best is not None
     profile = LoaderProfile(
-        num_workers=best.num_workers,
-        prefetch_factor=best.prefetch_factor,
-        pin_memory=best.pin_memory,
-        persistent_workers=best.num_workers > 0,
+        settings=best.settings(),
         samples_per_s=best.samples_per_s,
         machine=machine_key(),
-        loader=loader_key(cfg.split, cfg.batch_size, cfg.transform, cfg.image_size),
+        loader=loader_key(cfg.split, cfg.loader),
         created_by=__version__,
     )
     return save_profile(cfg.path, profile)

@@ -1,0 +1,171 @@
+"""`LoaderConfig` (what the batches are) and `WorkerSettings` (how fast they come).
+
+    config = dlpipe.LoaderConfig(batch_size=256, image_size=176, min_crop_scale=0.35)
+    loader = dlpipe.make_loader("data/pets-lmdb", "train", config=config)
+    loader = dlpipe.make_loader(path, "val", config=config, workers=dlpipe.WorkerSettings(
+        num_workers=4, prefetch_factor=2))
+
+The config decides the data: the same config gives the same batches whatever the workers.
+`resolved` settles the split-dependent defaults (``transform="auto"``, ``shuffle`` and
+``drop_last``) in one place; `dlpipe.loading.profile.loader_key` derives a saved profile's key
+from it, and ``dlpipe bench-loader`` measures exactly the config it is given. The worker
+settings change only the speed: they are what a profile stores and what the tuner searches.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dlpipe.errors import DlpipeError
+from dlpipe.machine import usable_cpus
+
+__all__ = ["LoaderConfig", "LoaderConfigError", "WorkerSettings", "default_workers"]
+
+TRANSFORMS = ("auto", "train", "eval")
+Transform = str | Callable[..., Any] | None
+
+
+class LoaderConfigError(DlpipeError, ValueError):
+    """A `LoaderConfig` or `WorkerSettings` field breaks its rule."""
+
+
+def _reject(what: str, value: Any, rule: str, fix: str) -> LoaderConfigError:
+    return LoaderConfigError(f"{what}={value!r} {rule}; {fix}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """What one loader yields: the batch, the transform, the order.
+
+    Attributes:
+        batch_size: samples per batch on this rank.
+        transform: ``"train"`` (RandomResizedCrop + flip), ``"eval"`` (resize + centre crop),
+            None (raw sample dicts, batched as lists), or a callable on a sample dict;
+            ``"auto"`` is ``"train"`` for the train split and ``"eval"`` otherwise.
+        image_size: the crop side of the image transforms, in pixels.
+        min_crop_scale: the smallest share of the image area a ``"train"`` crop keeps
+            (torchvision's and timm's default 0.08; raise it when objects are small).
+        shuffle, drop_last: None is True for the train split and False otherwise.
+        seed: seeds the epoch permutations and augmentation.
+    """
+
+    batch_size: int = 64
+    transform: Transform = "auto"
+    image_size: int = 224
+    min_crop_scale: float = 0.08
+    shuffle: bool | None = None
+    seed: int = 0
+    drop_last: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "image_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise _reject(name, value, "is not a positive integer", f"pass {name}=64, say")
+        scale = self.min_crop_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+            raise _reject(
+                "min_crop_scale", scale, "is not in (0, 1]", "pass the smallest crop's area share"
+            )
+        if not (self.transform is None or callable(self.transform)) and (
+            self.transform not in TRANSFORMS
+        ):
+            rule = "is not 'auto', 'train', 'eval', None or a callable"
+            raise _reject("transform", self.transform, rule, "pass one of those")
+        if not _is_int(self.seed):
+            raise _reject("seed", self.seed, "is not an integer", "pass seed=0, say")
+        for name in ("shuffle", "drop_last"):
+            if getattr(self, name) not in (None, True, False):
+                raise _reject(name, getattr(self, name), "is not True, False or None", "pass one")
+
+    def resolved(self, split: str) -> LoaderConfig:
+        """This config for `split`: ``transform="auto"``, ``shuffle`` and ``drop_last`` settled
+        (``"train"``, True, True for the train split; ``"eval"``, False, False otherwise)."""
+        train = split == "train"
+        auto = "train" if train else "eval"
+        return dataclasses.replace(
+            self,
+            transform=auto if self.transform == "auto" else self.transform,
+            shuffle=train if self.shuffle is None else self.shuffle,
+            drop_last=train if self.drop_last is None else self.drop_last,
+        )
+
+    def transform_name(self, split: str) -> str:
+        """``"train"``/``"eval"`` (``"auto"`` settled by `split`), ``"none"`` or ``"custom"``."""
+        transform = self.resolved(split).transform
+        if transform is None:
+            return "none"
+        return "custom" if callable(transform) else str(transform)
+
+    def replace(self, **changes: Any) -> LoaderConfig:
+        """A copy with the fields in `changes` set (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    """How a loader's batches are made: only the speed depends on these, never the data.
+
+    Attributes:
+        num_workers: DataLoader worker processes (0: load in the main process).
+        prefetch_factor: batches each worker keeps ready (None: torch's 2; unused with 0
+            workers).
+        pin_memory: batches in page-locked memory, for fast copies to a GPU.
+        persistent_workers: keep the workers between epochs (ignored with 0 workers).
+    """
+
+    num_workers: int
+    prefetch_factor: int | None = 2
+    pin_memory: bool = False
+    persistent_workers: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_workers) or self.num_workers < 0:
+            raise _reject(
+                "num_workers", self.num_workers, "is not an integer >= 0", "pass 0 or more"
+            )
+        prefetch = self.prefetch_factor
+        if prefetch is not None and (not _is_int(prefetch) or prefetch < 1):
+            raise _reject(
+                "prefetch_factor", prefetch, "is not None or an integer >= 1", "pass 2, say"
+            )
+        for name in ("pin_memory", "persistent_workers"):
+            if not isinstance(getattr(self, name), bool):
+                raise _reject(name, getattr(self, name), "is not True or False", "pass one")
+
+    def replace(self, **changes: Any) -> WorkerSettings:
+        """A copy with the fields in `changes` set (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def dataloader_options(self) -> dict[str, Any]:
+        """These settings as ``torch.utils.data.DataLoader`` keywords (prefetch and persistence
+        only with workers, as torch requires)."""
+        options: dict[str, Any] = {
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory,
+            "persistent_workers": self.num_workers > 0 and self.persistent_workers,
+        }
+        if self.num_workers > 0:
+            options["prefetch_factor"] = self.prefetch_factor or 2
+        return options
+
+
+def default_workers() -> WorkerSettings:
+    """Settings without a measured profile: every usable core but one (at least one worker),
+    prefetch 2, pinned memory when CUDA is there."""
+    import torch
+
+    return WorkerSettings(
+        num_workers=max(1, usable_cpus() - 1),
+        prefetch_factor=2,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=True,
+    )
