@@ -4,8 +4,9 @@ On the photo-like JPEG corpus from ``benchmarks/corpus.py`` (default 800 images,
 ``/tmp/dlpipe-bench-corpus/``), converted once to one format (hdf5 by default) with
 ``dlpipe convert``, this times
 
-1. the tuner: ``dlpipe.loading.tune.bench_loader(BenchConfig(path, batch_size=64, image_size=224,
-   budget_s=B))`` (stage measurement + hill-climb of workers, then prefetch), and
+1. the tuner: ``dlpipe.loading.tune.bench_loader(BenchConfig(path=path,
+   loader=LoaderConfig(batch_size=64, image_size=224), budget_s=B))`` (stage measurement +
+   hill-climb of workers, then prefetch), and
 2. the exhaustive grid: ``dlpipe.loading.tune.run_trial`` for every ``num_workers`` in 0..4 x
    ``prefetch_factor`` in {2, 4, 8} (prefetch only when workers > 0: 13 trials), each with
    the same per-trial seconds the tuner uses (``min(max(B / 10, 1), 10)``),
@@ -42,6 +43,7 @@ from common import convert_corpus, generated_line, log, met  # sibling script
 from corpus import DEFAULT_CORPUS, cached_corpus  # siblings
 from machine import machine_info as shared_machine_info
 
+from dlpipe.loading.config import LoaderConfig
 from dlpipe.loading.tune import BenchConfig, Trial, bench_loader, run_trial
 
 FORMATS = ("wds", "lmdb", "hdf5")
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = os.path.join(work, args.format)
         convert_s = convert_corpus(root, args.format, path)
-        config = BenchConfig(path=path, batch_size=64, image_size=224, budget_s=args.budget)
+        loader = LoaderConfig(batch_size=64, image_size=224)
+        config = BenchConfig(path=path, loader=loader, budget_s=args.budget)
         seconds = trial_seconds(args.budget)
         tuner = run_tuner(config)
         grid = run_grid(config, seconds)
