@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+from dataclasses import MISSING
 
 from rich.console import Console
 from rich.markup import escape
@@ -12,7 +12,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dlpipe import storage
-from dlpipe.cli import Interrupted, int_in_range, non_negative_int, positive_int
+from dlpipe.cli import Interrupted
+from dlpipe.converters.config import option_specs, parse_size
 from dlpipe.converters.engine import (
     ERRORS_NAME,
     ConvertConfig,
@@ -20,145 +21,41 @@ from dlpipe.converters.engine import (
     convert,
 )
 from dlpipe.converters.plan import Plan
-from dlpipe.converters.sources import SOURCE_KINDS
 from dlpipe.converters.worker import TaskResult
-from dlpipe.formats import FORMATS
 from dlpipe.inspection import format_bytes
 
 __all__ = ["add_convert_parser", "parse_size", "run_convert"]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
-
-
-def parse_size(text: str) -> int:
-    """``"256MB"`` → 256000000; ``"64MiB"``, ``"1.5GB"``, ``"500000"`` (bytes) also work."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; write bytes with an optional unit, e.g. 256MB or 64MiB"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
-    return value
-
 
 def add_convert_parser(sub: argparse._SubParsersAction) -> None:
+    """``dlpipe convert``: one argument per `ConvertConfig` option (`option_specs`)."""
     p = sub.add_parser("convert", help="turn raw data into verified shards with a manifest")
-    p.add_argument(
-        "raw",
-        help="raw data: a folder (class folders, key.ext files, CIFAR/MNIST "
-        "files) or a table (CSV/TSV/JSONL/Parquet)",
-    )
-    p.add_argument("--to", required=True, choices=sorted(FORMATS), help="shard format")
-    p.add_argument(
-        "--out",
-        help="output folder or URL (default: $DLPIPE_DATA_DIR/<name>-<fmt>, "
-        "else <raw>-<fmt> beside the raw data)",
-    )
-    p.add_argument("--source", default="auto", choices=["auto", *SOURCE_KINDS])
-    p.add_argument("--image-col", help="table column holding image paths or bytes")
-    p.add_argument(
-        "--label-col",
-        help="table column holding labels (names or integers); none: the table has no labels",
-    )
-    p.add_argument(
-        "--image-root",
-        metavar="DIR",
-        help="folder a table's image paths are looked up in after the table's own folder "
-        "(default: the one sub-folder beside the table that holds them)",
-    )
-    p.add_argument(
-        "--keep-empty-classes",
-        action="store_true",
-        help="keep class folders without images as classes with no samples (else refused)",
-    )
-    p.add_argument(
-        "--shard-size",
-        type=parse_size,
-        help="target bytes per shard (e.g. 256MB; "
-        "default: about 64 shards per split, 1 MiB to 256 MiB each)",
-    )
-    p.add_argument(
-        "--workers",
-        type=positive_int,
-        default=os.cpu_count() or 1,
-        help="worker processes (default: all cores)",
-    )
-    p.add_argument(
-        "--max-side",
-        type=int_in_range(8),
-        help="re-encode images whose longer side exceeds N (at least 8)",
-    )
-    p.add_argument(
-        "--quality",
-        type=int_in_range(1, 100),
-        default=95,
-        help="JPEG/WebP quality when re-encoding (1..100)",
-    )
-    p.add_argument(
-        "--val-fraction",
-        type=_fraction,
-        help="move this fraction of each class to a val split (when there is none)",
-    )
-    p.add_argument(
-        "--seed", type=non_negative_int, default=0, help="seeds the shuffle and the val split"
-    )
-    p.add_argument(
-        "--on-error",
-        choices=["skip", "fail"],
-        default="skip",
-        help=f"a bad sample is skipped and listed in {ERRORS_NAME}, or stops the run",
-    )
-    p.add_argument("--resume", action="store_true", help="finish an interrupted conversion")
-    p.add_argument("--overwrite", action="store_true", help="replace the dataset in --out")
-    p.add_argument("--engine", choices=["local", "ray"], default="local")
-    p.add_argument("--ray-address", help="Ray cluster address (default: start or find one)")
+    for spec in option_specs():
+        if not spec.flag.startswith("-"):
+            p.add_argument(spec.flag, help=spec.help)
+        elif spec.kind == "bool":
+            p.add_argument(spec.flag, dest=spec.name, action="store_true", help=spec.help)
+        else:
+            p.add_argument(
+                spec.flag,
+                dest=spec.name,
+                type=spec.parse,
+                choices=spec.choices,
+                default=None if spec.default is MISSING else spec.default,
+                required=spec.default is MISSING,
+                metavar=spec.metavar,
+                help=spec.help,
+            )
     p.set_defaults(handler=run_convert)
 
 
 def run_convert(args: argparse.Namespace, console: Console) -> int:
-    config = ConvertConfig(
-        raw=args.raw,
-        to=args.to,
-        out=args.out,
-        source=args.source,
-        image_col=args.image_col,
-        label_col=args.label_col,
-        image_root=args.image_root,
-        keep_empty_classes=args.keep_empty_classes,
-        shard_bytes=args.shard_size,
-        workers=args.workers,
-        max_side=args.max_side,
-        quality=args.quality,
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        on_error=args.on_error,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        engine=args.engine,
-        ray_address=args.ray_address,
-    )
+    options = {spec.name: getattr(args, spec.name) for spec in option_specs()}
+    config = ConvertConfig.from_options(**options)
     out = config.output()
     console.print(
-        f"dlpipe convert {escape(config.raw)} → {escape(out)} ({config.to}, engine {config.engine})"
+        f"dlpipe convert {escape(config.raw)} → {escape(out)} "
+        f"({config.to}, engine {config.engine.kind})"
     )
     if storage.on_system_disk(out):
         console.print(

@@ -11,24 +11,29 @@ shards the journal does not hold. ``--overwrite`` deletes only what dlpipe can p
 from __future__ import annotations
 
 import os
-import shlex
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dlpipe import storage
 from dlpipe.codecs import field_type
+from dlpipe.converters.config import (
+    ConvertConfig,
+    ConvertOptionError,
+    default_out,
+    option_specs,
+)
 from dlpipe.converters.executors import WorkerDiedError, run_local, run_ray
 from dlpipe.converters.images import ImagePolicy
 from dlpipe.converters.journal import Journal, ResumeError
-from dlpipe.converters.plan import OPTION_FLAGS, Plan, make_plan
+from dlpipe.converters.plan import Plan, make_plan
 from dlpipe.converters.source import Scan, SourceError, SourceOptions
 from dlpipe.converters.sources import open_source
 from dlpipe.converters.worker import OutputFullError, TaskResult, WorkerConfig, is_disk_full
 from dlpipe.errors import DlpipeError, OutputExistsError
-from dlpipe.formats import get_format, require_storage
+from dlpipe.formats import FORMATS, get_format, require_storage
 from dlpipe.formats.writer import (
     ERRORS_NAME,
     KEYS_NAME,
@@ -42,6 +47,7 @@ from dlpipe.storage import DiskSpaceError
 
 __all__ = [
     "ConvertConfig",
+    "ConvertOptionError",
     "ConvertResult",
     "DiskSpaceError",
     "OutputInsideRawError",
@@ -54,80 +60,6 @@ __all__ = [
 
 class OutputInsideRawError(DlpipeError, ValueError):
     """The output folder is the raw folder or inside it."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConvertConfig:
-    """Everything ``dlpipe convert`` takes; see the CLI reference in the README."""
-
-    raw: str
-    to: str
-    out: str | None = None
-    source: str = "auto"
-    image_col: str | None = None
-    label_col: str | None = None
-    image_root: str | None = None
-    shard_bytes: int | None = None
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
-    max_side: int | None = None
-    quality: int = 95
-    val_fraction: float | None = None
-    seed: int = 0
-    on_error: str = "skip"
-    resume: bool = False
-    overwrite: bool = False
-    engine: str = "local"
-    ray_address: str | None = None
-    keep_empty_classes: bool = False
-
-    def __post_init__(self) -> None:
-        if self.on_error not in ("skip", "fail"):
-            raise ValueError(f"--on-error {self.on_error!r} must be skip or fail")
-        if self.engine not in ("local", "ray"):
-            raise ValueError(f"--engine {self.engine!r} must be local or ray")
-        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
-            raise ValueError(f"--val-fraction {self.val_fraction} must be between 0 and 1")
-        if self.resume and self.overwrite:
-            raise ValueError("--resume and --overwrite contradict each other; choose one")
-        if self.workers < 1:
-            raise ValueError(f"--workers {self.workers} must be at least 1")
-
-    def output(self) -> str:
-        """``--out``, or `default_out` when it is not given."""
-        return self.out or default_out(self.raw, self.to)
-
-    def command(self, action: str) -> str:
-        """The ``dlpipe convert`` command line that repeats this conversion with `action`.
-
-        Every option that shapes the output is in it, so the printed ``--resume`` command
-        matches the interrupted run's plan.
-        """
-        parts = ["dlpipe", "convert", self.raw, "--to", self.to, "--out", self.output()]
-        return shlex.join([*parts, *self.option_args(), action])
-
-    def option_args(self) -> list[str]:
-        """The flags (and values) of every option that differs from its default."""
-        default = ConvertConfig(raw=self.raw, to=self.to)
-        args: list[str] = []
-        for name, flag in OPTION_FLAGS.items():
-            value = getattr(self, name)
-            if value != getattr(default, name):
-                args += [flag] if isinstance(value, bool) else [flag, str(value)]
-        return args
-
-    def output_options(self, image_field: str, source_kind: str) -> dict[str, Any]:
-        """The options that shape the output (recorded in the manifest and the plan)."""
-        return {
-            "format": self.to,
-            "source": source_kind,
-            "image_field": image_field,
-            "shard_bytes": self.shard_bytes,
-            "max_side": self.max_side,
-            "quality": self.quality,
-            "val_fraction": self.val_fraction,
-            "seed": self.seed,
-            "on_error": self.on_error,
-        }
 
 
 @dataclass
@@ -143,18 +75,6 @@ class ConvertResult:
 
 
 Progress = Callable[[TaskResult], None]
-
-
-def default_out(raw: str, fmt: str) -> str:
-    """``$DLPIPE_DATA_DIR/<name>-<fmt>`` when set, else ``<raw>-<fmt>`` beside the raw data."""
-    raw = os.path.abspath(raw)
-    name = (
-        os.path.splitext(os.path.basename(raw.rstrip(os.sep)))[0]
-        if os.path.isfile(raw)
-        else (os.path.basename(raw.rstrip(os.sep)))
-    )
-    parent = os.environ.get("DLPIPE_DATA_DIR") or os.path.dirname(raw.rstrip(os.sep))
-    return os.path.join(parent, f"{name}-{fmt}")
 
 
 def image_field_for(scan: Scan) -> str:
@@ -184,38 +104,40 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     out = config.output()
     require_storage(fmt, out)
     check_out_outside_raw(config)
+    wanted = config.source
     options = SourceOptions(
-        image_col=config.image_col,
-        label_col=config.label_col,
-        image_root=config.image_root,
-        keep_empty_classes=config.keep_empty_classes,
+        image_col=wanted.image_col,
+        label_col=wanted.label_col,
+        image_root=wanted.image_root,
+        keep_empty_classes=wanted.keep_empty_classes,
     )
-    source = open_source(config.raw, config.source, options)
+    source = open_source(config.raw, wanted.kind, options)
     scan = source.scan()
     if not scan.items:
         raise SourceError(f"{config.raw}: the {source.kind} source holds no samples")
     scan = _with_classes(scan)
+    images = config.images
     image = ImagePolicy(
-        field=image_field_for(scan), max_side=config.max_side, quality=config.quality
+        field=image_field_for(scan), max_side=images.max_side, quality=images.quality
     )
     recorded = config.output_options(image.field, source.kind)
     plan = make_plan(
         scan,
         fmt=fmt,
-        seed=config.seed,
-        val_fraction=config.val_fraction,
-        shard_bytes=config.shard_bytes,
+        seed=config.shards.seed,
+        val_fraction=config.shards.val_fraction,
+        shard_bytes=config.shards.shard_bytes,
         options={
             **recorded,
-            "image_col": config.image_col,
-            "label_col": config.label_col,
-            "image_root": config.image_root,
+            "image_col": wanted.image_col,
+            "label_col": wanted.label_col,
+            "image_root": wanted.image_root,
         },
     )
     return PlannedConversion(
         source=source,
         plan=plan,
-        worker=WorkerConfig(out=out, format=fmt.name, image=image, on_error=config.on_error),
+        worker=WorkerConfig(out=out, format=fmt.name, image=image, on_error=config.shards.on_error),
         options=recorded,
         description={**scan.description, "samples": len(scan.items)},
     )
@@ -256,22 +178,42 @@ def _with_classes(scan: Scan) -> Scan:
 
 
 def convert(
-    config: ConvertConfig,
+    raw: str | os.PathLike[str] | ConvertConfig,
     *,
+    to: str | None = None,
     on_start: Callable[[Plan], None] | None = None,
     on_progress: Progress | None = None,
+    **options: Any,
 ) -> ConvertResult:
-    """Run a whole conversion (see the module docstring).
+    """Convert raw data into a prepared dataset: ``dlpipe convert`` as a Python call.
 
-    `on_start` is called with the plan before any shard is written, `on_progress` with each
-    finished shard's result.
+    Scan, plan, write the shards in parallel, then the manifest (see the module docstring)::
+
+        result = dlpipe.convert("raw/", to="lmdb", out="data/pets-lmdb", max_side=256)
+        dataset = dlpipe.open_dataset(result.out, "train")
+
+    Args:
+        raw: the raw folder or table (or a whole `ConvertConfig`, with no other option).
+        to: the shard format: wds, lmdb or hdf5.
+        on_start: called with the plan before any shard is written.
+        on_progress: called with each finished shard's result.
+        **options: the options of ``dlpipe convert``, by the names below (each flag's name
+            with underscores; ``shard_bytes`` is ``--shard-size``):
+
+        {options}
+
+    Returns:
+        The `ConvertResult`: the output folder, its manifest, the seconds taken, the samples
+        read, skipped and re-encoded.
 
     Raises:
-        SourceError, SampleError (``--on-error fail``), OutputExistsError, ResumeError,
+        ConvertOptionError: an unknown option or a bad value, with the message the CLI prints.
+        SourceError, SampleError (``on_error="fail"``), OutputExistsError, ResumeError,
         DiskSpaceError, UnsupportedStorageError, OutputInsideRawError, OutputLockedError
         (another writer holds `out`), OutputFullError (the disk filled up while writing),
         WorkerDiedError: each with the fix in its message.
     """
+    config = _config_of(raw, to, options)
     start = time.perf_counter()
     planned = plan_conversion(config)
     resume = config.command("--resume")
@@ -288,6 +230,35 @@ def convert(
             f"shards are kept: free space there, then finish with `{resume}` (or choose "
             "another --out on a bigger disk)"
         ) from None
+
+
+def _config_of(
+    raw: str | os.PathLike[str] | ConvertConfig, to: str | None, options: dict[str, Any]
+) -> ConvertConfig:
+    if isinstance(raw, ConvertConfig):
+        if to is not None or options:
+            raise ConvertOptionError(
+                "give convert() a ConvertConfig alone, or raw, to= and options; not both"
+            )
+        return raw
+    if to is None:
+        raise ConvertOptionError(
+            f"the argument --to is required: the shard format, one of {', '.join(sorted(FORMATS))}"
+        )
+    return ConvertConfig.from_options(raw, to, **options)
+
+
+def _options_doc() -> str:
+    lines = []
+    for spec in option_specs():
+        if spec.name not in ("raw", "to"):
+            default = "" if "default" in spec.help else f", default {spec.default!r}"
+            lines.append(f"            ``{spec.name}`` ({spec.flag}{default}): {spec.help}.")
+    return "\n".join(lines).lstrip()
+
+
+if convert.__doc__:  # absent under python -OO
+    convert.__doc__ = convert.__doc__.replace("{options}", _options_doc())
 
 
 def _full_reason(exc: OSError, out: str) -> str:
@@ -314,10 +285,11 @@ def _run(
         journal.start(plan, raw=os.path.abspath(config.raw), args=config.option_args())
     if on_start is not None:
         on_start(plan)
-    if config.engine == "ray":
-        results = run_ray(planned.source, pending, worker, config.ray_address)
+    engine = config.engine
+    if engine.kind == "ray":
+        results = run_ray(planned.source, pending, worker, engine.ray_address)
     else:
-        results = run_local(planned.source, pending, worker, config.workers)
+        results = run_local(planned.source, pending, worker, engine.workers)
     for result in results:
         journal.record(result)
         done[result.name] = result
@@ -401,8 +373,14 @@ def _finish(
             )
         labels = [label for r in results for label in r.labels]
         splits[split] = SplitInfo(
-            shards=shards, class_counts=class_counts(split, labels, len(plan.classes))
+            shards=shards,
+            class_counts=class_counts(split, labels, len(plan.classes)),
+            fields=_fields(results),
         )
+    fields = max((info.fields or {} for info in splits.values()), key=len)  # labelled: cls
+    splits = {
+        n: replace(i, fields=i.fields if i.fields != fields else None) for n, i in splits.items()
+    }
     shortened = _shortened_keys(plan, skipped)
     if shortened:
         storage.atomic_write_jsonl(storage.join(out, KEYS_NAME), shortened)
@@ -410,7 +388,7 @@ def _finish(
     manifest = Manifest(
         format=fmt.name,
         format_version=fmt.version,
-        fields=_fields(ordered),
+        fields=fields,
         splits=splits,
         classes=plan.classes,
         options=planned.options,

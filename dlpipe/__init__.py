@@ -47,8 +47,11 @@ from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
 from dlpipe.sample import Sample, check_key, escape_key, make_key, unescape_key
 from dlpipe.verify import CheckerError, Problem, VerifyReport, verify_dataset
 
-# these import torch: only on first use, so the CLI and converters start fast
+# these import torch or the converters: only on first use, so the CLI and converters start
+# fast and the core imports neither the loading room nor the converters
 _LAZY = {
+    "ConvertConfig": "dlpipe.converters.config",
+    "convert": "dlpipe.converters.engine",
     "DatasetChangedError": "dlpipe.loading.dataset",
     "MapDataset": "dlpipe.loading.dataset",
     "StreamDataset": "dlpipe.loading.dataset",
@@ -72,6 +75,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "FORMATS",
     "CheckerError",
+    "ConvertConfig",
     "DatasetChangedError",
     "DatasetWriter",
     "DlpipeError",
@@ -107,6 +111,7 @@ __all__ = [
     "WorkerSettings",
     "__version__",
     "check_key",
+    "convert",
     "decode_field",
     "decode_sample",
     "describe_dataset",

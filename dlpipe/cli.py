@@ -104,6 +104,40 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     return run_demo(config, console)
 
 
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    from dlpipe.demo import DEMO_MINUTES, DemoConfig
+
+    defaults = DemoConfig(out="")
+    demo = sub.add_parser(
+        "demo",
+        help=f"run dlpipe end to end on the embedded shapes dataset (about {DEMO_MINUTES} "
+        "minutes on 2 CPU cores)",
+    )
+    demo.add_argument(
+        "--out", help="folder for the demo (default: $DLPIPE_DATA_DIR/dlpipe-demo or ./dlpipe-demo)"
+    )
+    demo.add_argument(
+        "--per-class",
+        type=positive_int,
+        default=defaults.per_class,
+        help=f"images per class (8 classes; default {defaults.per_class})",
+    )
+    demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument(
+        "--epochs",
+        type=non_negative_int,
+        default=defaults.epochs,
+        help=f"training epochs ({defaults.epochs}; 0 converts and verifies only)",
+    )
+    demo.add_argument(
+        "--model",
+        default=defaults.model,
+        help="model to train: a torchvision name or package.module:function "
+        f"(default {defaults.model})",
+    )
+    demo.set_defaults(handler=_demo)
+
+
 def _doctor(args: argparse.Namespace, console: Console) -> int:
     from dlpipe.doctor import Probe, print_checks, run_checks, to_json
 
@@ -151,25 +185,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dlpipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="run dlpipe end to end on the embedded shapes dataset")
-    demo.add_argument(
-        "--out", help="folder for the demo (default: $DLPIPE_DATA_DIR/dlpipe-demo or ./dlpipe-demo)"
-    )
-    demo.add_argument(
-        "--per-class",
-        type=positive_int,
-        default=400,
-        help="images per class (8 classes; default 400)",
-    )
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument(
-        "--epochs",
-        type=non_negative_int,
-        default=12,
-        help="training epochs (12; 0 converts and verifies only)",
-    )
-    demo.add_argument("--model", default="resnet18", help="torchvision model to train")
-    demo.set_defaults(handler=_demo)
+    _add_demo_parser(sub)
 
     doctor = sub.add_parser("doctor", help="check the machine: GPUs, drivers, memory, disks")
     doctor.add_argument(

@@ -317,7 +317,7 @@ def test_loose_images_beside_split_folders_are_named_in_a_warning(tmp_path, caps
 def test_the_printed_resume_command_carries_the_image_root(tmp_path) -> None:
     from dlpipe.converters.engine import ConvertConfig
 
-    config = ConvertConfig(
+    config = ConvertConfig.from_options(
         raw=str(tmp_path), to="wds", out=str(tmp_path / "out"), image_root="pics"
     )
     assert "--image-root pics" in config.command("--resume")
