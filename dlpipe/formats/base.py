@@ -108,6 +108,11 @@ class ShardFileWriter(ABC):
     def close(self) -> None:
         """Finish the file; after this it is complete on disk."""
 
+    def sha256(self) -> str | None:
+        """The closed file's hex sha256 when the writer hashed it while writing; None (the
+        default) has the builder read the file back for it."""
+        return None
+
     def abandon(self) -> None:
         """Release the file after a failure without finishing it (the caller deletes it)."""
         with contextlib.suppress(Exception):  # the error that made us abandon is the one to report
@@ -326,12 +331,13 @@ class ShardBuilder:
             raise InvalidFieldError(f"shard {self.name} would hold no samples")
         with self._naming_full_disk():
             self._writer.close()
+            digest = self._writer.sha256()
             self._writer = None
             info = ShardInfo(
                 name=self.name,
                 samples=self.samples,
                 bytes=os.path.getsize(self.tmp_path),
-                sha256=file_sha256(self.tmp_path),
+                sha256=digest or file_sha256(self.tmp_path),
             )
             storage.publish_file(self.tmp_path, self.dest, sync_folder=False)
         return info

@@ -1,0 +1,107 @@
+"""The conversion's speed levers keep its guarantees: same bytes, same checks."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import string
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import dlpipe
+from dlpipe.cli import main
+from dlpipe.formats import wds
+
+
+def _tarfile_header(name: str, size: int) -> bytes:
+    """The header tarfile itself writes for dlpipe's members (mode 0444, owner 0:0, mtime 0)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o444
+    info.uname = info.gname = ""
+    kind = tarfile.USTAR_FORMAT if len(name) <= tarfile.LENGTH_NAME else tarfile.PAX_FORMAT
+    return info.tobuf(kind, "utf-8", "strict")
+
+
+def _member_names() -> list[str]:
+    rng = random.Random(0)
+    alphabet = string.ascii_letters + string.digits + "_-.%"
+    names = ["a.jpg", "x" * 96 + ".jpg", "x" * 97 + ".cls", "é.jpg", "é" * 60 + ".jpg"]
+    names += ["".join(rng.choices(alphabet, k=rng.randint(1, 130))) for _ in range(300)]
+    return names
+
+
+def _outcome(make_header: Callable[[str, int], bytes], name: str, size: int) -> bytes | str:
+    try:
+        return make_header(name, size)
+    except ValueError as exc:  # e.g. a non-ASCII name of over 100 bytes in ustar
+        return f"ValueError: {exc}"
+
+
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 513, 98_765, 8**11 - 1])
+def test_wds_member_headers_are_the_bytes_tarfile_writes(size) -> None:
+    for name in _member_names():
+        want = _outcome(_tarfile_header, name, size)
+        assert _outcome(wds._header, name, size) == want, (name, size)
+
+
+def test_a_member_too_large_for_ustar_is_refused_as_tarfile_refuses_it() -> None:
+    with pytest.raises(ValueError, match="overflow"):
+        wds._header("big.bin", 8**11)
+
+
+def _jpeg(seed: int, *, progressive: bool = False) -> bytes:
+    pixels = (np.random.default_rng(seed).random((240, 320, 3)) * 255).astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG", quality=90, progressive=progressive)
+    return buffer.getvalue()
+
+
+def _cut_in_last_scan(data: bytes) -> bytes:
+    """`data` cut half-way through the entropy-coded data of its last scan."""
+    sos = data.rfind(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")
+    return data[: (start + len(data) - 2) // 2]
+
+
+def _raw_folder(root: Path) -> dict[str, bytes]:
+    """Two classes of noise JPEGs (~150 KB: several 1 MiB shards), two cut in their last scan."""
+    files = {}
+    for i in range(24):
+        files[f"c{i % 2}/{i:02d}.jpg"] = _jpeg(i, progressive=i % 3 == 0)
+    files["c0/00.jpg"] = _cut_in_last_scan(files["c0/00.jpg"])  # progressive: 10 scans
+    files["c1/01.jpg"] = _cut_in_last_scan(files["c1/01.jpg"])  # baseline: one scan
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+@pytest.mark.parametrize("fmt", sorted(dlpipe.FORMATS))
+def test_shards_hashed_while_written_match_their_files_and_cut_jpegs_are_caught(
+    tmp_path, capsys, fmt
+) -> None:
+    files = _raw_folder(tmp_path / "raw")
+    out = tmp_path / "out"
+    workers = "2" if fmt == "wds" else "1"  # the pool once; wds is the format that hashes itself
+    argv = ["convert", str(tmp_path / "raw"), "--to", fmt, "--out", str(out), "--workers", workers]
+    assert main(argv) == 0
+    manifest = dlpipe.read_manifest(str(out))
+    shards = manifest.splits["train"].shards
+    assert len(shards) > 1
+    for shard in shards:
+        assert shard.sha256 == hashlib.sha256((out / shard.name).read_bytes()).hexdigest()
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    errors_keys = sorted(dlpipe.unescape_key(e["key"]) for e in errors)
+    assert errors_keys == ["c0/00", "c1/01"]
+    assert all("truncated" in e["error"] for e in errors)
+    samples = dlpipe.open_dataset(str(out), "train")
+    kept = {dlpipe.unescape_key(s["__key__"]): s["jpg"] for s in samples}
+    assert kept == {rel[:-4]: data for rel, data in files.items() if rel[:-4] not in errors_keys}
+    assert dlpipe.verify_dataset(str(out)).ok
