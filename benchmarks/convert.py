@@ -1,43 +1,48 @@
-"""Benchmark: ``dlpipe convert`` (imagefolder → wds / lmdb / hdf5) against the physical limit.
+"""Benchmark: ``dlpipe convert`` (imagefolder → wds / lmdb / hdf5) at a size where users are.
 
 One run measures, on the same photo-like JPEG corpus from ``benchmarks/corpus.py`` (default
-1,500 images of ~100 KB, ~150 MB, 10 classes; cached and reused across runs):
+20,000 images of ~100 KB, ~2 GB, 10 classes; made once, cached and reused across runs), with
+all cores and with one worker:
 
-1. **The physical limit** of a conversion that keeps the JPEG bytes and checks every image:
-   the slower of
+1. **The one-pass reference**, ``read + draft decode + write``: each file read once, decoded
+   with Pillow's reduced-scale draft mode (``im.draft("RGB", (w // 8, h // 8)); im.load()``,
+   the cheapest decode that still entropy-decodes all the compressed data, so it proves every
+   image whole) and written, unchanged, to an output folder, in a ``fork`` process pool (its
+   start-up is timed). A conversion that checks every image cannot do less work. The goal:
+   dlpipe at all workers >= 0.8x the reference at all workers.
+2. **The limit**: the slower of ``copy`` (every file read and written, nothing fsync'ed) and
+   ``draft decode`` (every file read and draft-decoded), each at the same worker count. It
+   assumes copying and decoding overlap for free, which CPU-bound cores do not give.
+3. ``dlpipe convert CORPUS --to FMT --source imagefolder --out OUT --overwrite --workers W``
+   for each format, as a subprocess of the venv's ``dlpipe`` console script, timed by wall
+   clock (start-up and imports included); the ``N samples in S s`` line it prints is kept
+   (``dlpipe s``).
+4. **A plain WebDataset copy**: ``webdataset.ShardWriter`` writing ``{"__key__", "jpg": file
+   bytes, "cls": label}`` with dlpipe's shard size, one writer per worker over a contiguous
+   slice of the files (fork pool). It decodes nothing.
+5. LitData's ``optimize`` (when ``litdata`` imports) at all workers, writing ``{"image": file
+   bytes, "label": int}`` with ``chunk_bytes="64MB"``, as a subprocess. It decodes nothing.
+6. ``disk write + fsync``: 64 MB files written and fsync'ed on the output disk (up to 1 GB in
+   all): the write bandwidth that caps the extrapolation to many cores.
 
-   a. ``copy``: every file read and written, unchanged, to an output folder (plain
-      ``open().read()`` / ``open("wb").write()``; closing flushes to the page cache, nothing
-      is fsync'ed), and
-   b. ``draft decode``: every file read and decoded with Pillow's reduced-scale draft mode
-      (``im.draft("RGB", (w // 8, h // 8)); im.load()``), the cheapest decode that still
-      entropy-decodes all the compressed data, so it proves every image is whole,
-
-   each spread over all cores with a ``fork`` process pool (its start-up is timed).
-   ``limit images/s = images / max(t_copy, t_decode)``. Both parts are also measured on one
-   core, as the reference for the ``--workers 1`` runs. A third, informative row, ``read +
-   draft decode + write``, does both in one pass per file: a conversion cannot do less work.
-2. ``dlpipe convert CORPUS --to FMT --source imagefolder --out OUT --overwrite --workers W``
-   for each format, with W = all cores and W = 1, run as a subprocess of the installed
-   ``dlpipe`` console script and timed by wall clock (interpreter start-up and imports
-   included). The ``N samples in S s (R samples/s, ...)`` line it prints is recorded too
-   (``dlpipe s``: the conversion alone, without start-up).
-3. LitData's ``optimize`` (when ``litdata`` imports), writing each sample as
-   ``{"image": <file bytes>, "label": <int>}`` with ``num_workers`` = all cores and
-   ``chunk_bytes="64MB"``, also as a subprocess timed by wall clock. It does not decode the
-   images, so it checks less than dlpipe does.
+Every row records wall seconds, images/s, MB/s and CPU seconds (user + system of this
+process and of every child it waited for). Images/s per core at one worker, scaled linearly
+at the measured 1 → 2 efficiency and capped by the disk, gives the seconds per 1 M images on
+8, 32 and 64 cores (see ``convert_report.py``).
 
 The page cache cannot be dropped without root, so the corpus is read once, untimed, before any
-measurement: every contender sees a warm cache, and the figures are CPU and page-cache costs,
-not cold-disk reads. Each output folder is removed and ``os.sync()`` is called, untimed,
-before each timed run, so no contender pays for an earlier one's write-back. Every
-measurement is the median of 3 repeats (1 with ``--quick``).
+measurement: the figures are CPU and page-cache costs, not cold-disk reads. ``os.sync()`` runs
+before each timed run and each output is deleted after it, both untimed, so no contender pays
+for another's write-back and the disk holds the corpus plus one output at a time. Each figure
+is the median of 3 repeats (1 with ``--quick``).
 
-Run from the repository root, in the venv where dlpipe is installed (~4 min on 2 cores)::
+Run from the repository root, in the venv where dlpipe is installed; at the default 20,000
+images it takes about 10 minutes on 2 quiet cores (plus about 12 the first time, to make the
+corpus) and needs about 4.5 GB free under /tmp::
 
     python benchmarks/convert.py                  # writes benchmarks/results/convert.{json,md}
     python benchmarks/convert.py --quick          # 200 images, 1 repeat: convert_quick.*
-    python benchmarks/convert.py --images 3000 --corpus /data/bench-corpus
+    python benchmarks/convert.py --n 3000 --repeats 1 --out /tmp/convert-check
 
 ``--profile`` adds a cProfile of an in-process ``--workers 1`` wds conversion (the top
 functions, by cumulative and by own time) to the Markdown file.
@@ -52,6 +57,7 @@ import multiprocessing
 import os
 import pstats
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -67,15 +73,16 @@ import PIL
 from PIL import Image, features
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dlpipe_executable, generated_line, met, write_results  # sibling script
-from corpus import DEFAULT_CORPUS, cached_corpus, corpus_files  # siblings
+from common import dlpipe_executable, write_results  # sibling scripts
+from convert_report import FORMATS, add_ratios, dlpipe_name, markdown, verdicts
+from corpus import DEFAULT_CORPUS, cached_corpus, corpus_files
 from machine import machine_info as shared_machine_info
 
-FORMATS = ("wds", "lmdb", "hdf5")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-GOAL_RATIO = 0.8  # each format >= 0.8x the limit
-GOAL_EFFICIENCY = 0.8  # speedup 1 -> N cores >= 0.8 * N counts as near-linear
+DEFAULT_IMAGES = 20_000
 SUMMARY = re.compile(r"(\d+) samples in ([0-9.]+) s \(([0-9.]+) samples/s, ([0-9.]+) MB/s\)")
+DISK_FILE_BYTES = 64 << 20
+DISK_MAX_BYTES = 1 << 30
 
 
 # ----------------------------------------------------------------------------------- baselines
@@ -131,6 +138,51 @@ def pool_map(fn: Callable[[Any], int], jobs: Sequence[Any], workers: int) -> int
 # ----------------------------------------------------------------------------------- contenders
 
 
+def cpu_seconds() -> float:
+    """User + system seconds of this process and of every child it has waited for."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def label_of(path: str) -> int:
+    """The corpus's label of an image: its class folder ``class_NNN``."""
+    return int(os.path.basename(os.path.dirname(path)).rsplit("_", 1)[1])
+
+
+def webdataset_copy(job: tuple[list[str], str, int]) -> int:
+    """One plain ``webdataset.ShardWriter`` over a slice of the files; total bytes."""
+    import webdataset
+
+    files, pattern, shard_bytes = job
+    total = 0
+    with webdataset.ShardWriter(pattern, maxsize=shard_bytes, verbose=0) as sink:
+        for path in files:
+            with open(path, "rb") as f:
+                data = f.read()
+            key = os.path.relpath(path, os.path.dirname(os.path.dirname(path)))[:-4]
+            sink.write({"__key__": key.replace("/", "_"), "jpg": data, "cls": label_of(path)})
+            total += len(data)
+    return total
+
+
+def disk_write(folder: str, total_bytes: int) -> int:
+    """`total_bytes` (at most 1 GB) written in 64 MB files, each fsync'ed; bytes written."""
+    block, written = os.urandom(DISK_FILE_BYTES), 0
+    for index in range(max(1, min(total_bytes, DISK_MAX_BYTES) // DISK_FILE_BYTES)):
+        with open(os.path.join(folder, f"{index}.bin"), "wb") as f:
+            f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        written += len(block)
+    return written
+
+
+# ----------------------------------------------------------------------------------- contenders
+
+
 class Bench:
     """The corpus, the scratch folder and the timing protocol shared by every contender."""
 
@@ -157,16 +209,26 @@ class Bench:
         return jobs
 
     def measure(
-        self, contender: str, workers: int, run: Callable[[], dict[str, Any] | None], kind: str
+        self,
+        contender: str,
+        workers: int,
+        run: Callable[[str], dict[str, Any] | None],
+        kind: str,
+        *,
+        images: int | None = None,
+        total_bytes: int | None = None,
     ) -> dict[str, Any]:
-        """`run` `repeats` times after its setup; records and returns the row."""
-        seconds, extras = [], []
+        """`run(out)` `repeats` times, each with a fresh output folder deleted after it."""
+        seconds, cpu, extras = [], [], []
         for _ in range(self.repeats):
+            out = self.out_dir("out")
             os.sync()
-            t0 = time.perf_counter()
-            extra = run()
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            extra = run(out)
             seconds.append(time.perf_counter() - t0)
+            cpu.append(cpu_seconds() - c0)
             extras.append(extra or {})
+            shutil.rmtree(out, ignore_errors=True)
         median = statistics.median(seconds)
         row = {
             "contender": contender,
@@ -174,41 +236,55 @@ class Bench:
             "workers": workers,
             "seconds": seconds,
             "median_s": median,
-            "images_per_s": len(self.files) / median,
-            "MB_per_s": self.total_bytes / 1e6 / median,
+            "cpu_s": cpu,
+            "median_cpu_s": statistics.median(cpu),
+            "images_per_s": (len(self.files) if images is None else images) / median,
+            "MB_per_s": (self.total_bytes if total_bytes is None else total_bytes) / 1e6 / median,
             "runs": extras,
         }
         self.rows.append(row)
         print(
             f"  {contender:<28} workers={workers:<2} {median:7.2f} s "
-            f"{row['images_per_s']:7.0f} img/s",
+            f"{row['images_per_s']:7.0f} img/s  {row['median_cpu_s']:7.2f} CPU s",
             file=sys.stderr,
             flush=True,
         )
         return row
 
     def baselines(self, workers: int) -> None:
-        def copy() -> None:
-            jobs = self.copy_jobs(self.out_dir("copy"))
-            assert pool_map(copy_file, jobs, workers) == self.total_bytes
+        def copy(out: str) -> None:
+            assert pool_map(copy_file, self.copy_jobs(out), workers) == self.total_bytes
 
-        def decode() -> None:
+        def decode(out: str) -> None:
             assert pool_map(draft_decode, self.files, workers) == self.total_bytes
 
-        def fused() -> None:
-            jobs = self.copy_jobs(self.out_dir("fused"))
-            assert pool_map(copy_and_decode, jobs, workers) == self.total_bytes
+        def fused(out: str) -> None:
+            assert pool_map(copy_and_decode, self.copy_jobs(out), workers) == self.total_bytes
 
+        self.measure("read + draft decode + write", workers, fused, "reference")
         self.measure("copy", workers, copy, "limit part")
         self.measure("draft decode", workers, decode, "limit part")
-        if workers > 1:
-            self.measure("read + draft decode + write", workers, fused, "reference")
+
+    def webdataset(self, workers: int) -> None:
+        from dlpipe.converters.plan import default_shard_bytes
+
+        shard_bytes = default_shard_bytes(self.total_bytes)
+        step = -(-len(self.files) // workers)
+
+        def run(out: str) -> None:
+            os.makedirs(out)
+            jobs = [
+                (self.files[i : i + step], os.path.join(out, f"w{i // step}-%06d.tar"), shard_bytes)
+                for i in range(0, len(self.files), step)
+            ]
+            assert pool_map(webdataset_copy, jobs, workers) == self.total_bytes
+
+        self.measure("webdataset ShardWriter copy", workers, run, "other tool")
 
     def dlpipe(self, fmt: str, workers: int) -> None:
         exe = dlpipe_executable()
 
-        def run() -> dict[str, Any]:
-            out = self.out_dir(f"dlpipe-{fmt}-{workers}")
+        def run(out: str) -> dict[str, Any]:
             cmd = [exe, "convert", self.root, "--to", fmt, "--source", "imagefolder"]
             cmd += ["--out", out, "--overwrite", "--workers", str(workers)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -216,17 +292,25 @@ class Bench:
                 raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
             return parse_summary(proc.stdout, len(self.files))
 
-        self.measure(f"dlpipe convert --to {fmt}", workers, run, "dlpipe")
+        self.measure(dlpipe_name(fmt), workers, run, "dlpipe")
 
     def litdata(self, workers: int) -> None:
-        def run() -> None:
-            out = self.out_dir("litdata")
+        def run(out: str) -> None:
             cmd = [sys.executable, __file__, "_litdata", self.root, out, str(workers)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"litdata optimize failed ({proc.returncode}):\n{proc.stderr}")
 
         self.measure("litdata optimize", workers, run, "other tool")
+
+    def disk(self) -> None:
+        def run(out: str) -> None:
+            os.makedirs(out)
+            disk_write(out, self.total_bytes)
+
+        written = max(1, min(self.total_bytes, DISK_MAX_BYTES) // DISK_FILE_BYTES)
+        written *= DISK_FILE_BYTES
+        self.measure("disk write + fsync", 1, run, "disk", images=0, total_bytes=written)
 
 
 def parse_summary(stdout: str, images: int) -> dict[str, Any]:
@@ -259,8 +343,7 @@ def litdata_version() -> str | None:
 def litdata_sample(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         data = f.read()
-    label = int(os.path.basename(os.path.dirname(path)).rsplit("_", 1)[1])
-    return {"image": data, "label": label}
+    return {"image": data, "label": label_of(path)}
 
 
 def litdata_main(root: str, out: str, workers: int) -> int:
@@ -308,8 +391,17 @@ def machine_info() -> dict[str, Any]:
         pillow=PIL.__version__,
         libjpeg_turbo=features.version("jpg") if features.check("libjpeg_turbo") else None,
         dlpipe=dlpipe_version,
+        webdataset=package_version("webdataset") or "not installed",
         litdata=litdata_version() or "not installed",
     )
+
+
+def package_version(name: str) -> str | None:
+    try:
+        module = __import__(name)
+    except Exception:  # ImportError, or a broken install
+        return None
+    return str(getattr(module, "__version__", "unknown"))
 
 
 def load_average() -> list[float] | None:
@@ -319,218 +411,56 @@ def load_average() -> list[float] | None:
         return None
 
 
-def add_ratios(rows: list[dict[str, Any]], cores: int) -> dict[str, dict[str, Any]]:
-    """The limit per worker count, and each row's ratio to the limit at its worker count."""
-    limits: dict[str, dict[str, Any]] = {}
-    for workers in sorted({r["workers"] for r in rows if r["kind"] == "limit part"}):
-        parts = {
-            r["contender"]: r for r in rows if r["kind"] == "limit part" and r["workers"] == workers
-        }
-        slower = max(parts.values(), key=lambda r: r["median_s"])
-        limits[str(workers)] = {
-            "seconds": slower["median_s"],
-            "images_per_s": slower["images_per_s"],
-            "MB_per_s": slower["MB_per_s"],
-            "bound_by": slower["contender"],
-        }
-    for row in rows:
-        limit = limits.get(str(row["workers"]))
-        row["ratio_to_limit"] = row["images_per_s"] / limit["images_per_s"] if limit else None
-        internal = [r["dlpipe_s"] for r in row["runs"] if "dlpipe_s" in r]
-        if internal:
-            row["dlpipe_median_s"] = statistics.median(internal)
-            if limit:
-                row["dlpipe_ratio_to_limit"] = limit["seconds"] / row["dlpipe_median_s"]
-    return limits
-
-
-def verdicts(rows: list[dict[str, Any]], cores: int) -> dict[str, Any]:
-    """Whether each format reaches GOAL_RATIO of the limit, and how it scales 1 → cores."""
-    by = {(r["contender"], r["workers"]): r for r in rows}
-    formats = [f for f in FORMATS if (f"dlpipe convert --to {f}", cores) in by]
-    ratio = {f: by[(f"dlpipe convert --to {f}", cores)]["ratio_to_limit"] for f in formats}
-    internal = {
-        f: by[(f"dlpipe convert --to {f}", cores)].get("dlpipe_ratio_to_limit") for f in formats
-    }
-    scaling = {}
-    for name in [f"dlpipe convert --to {f}" for f in formats] + ["draft decode", "copy"]:
-        if (name, 1) in by and (name, cores) in by:
-            speedup = by[(name, 1)]["median_s"] / by[(name, cores)]["median_s"]
-            scaling[name] = {"speedup": speedup, "efficiency": speedup / cores}
-    dl_scaling = [v for k, v in scaling.items() if k.startswith("dlpipe")]
-    reference = by.get(("read + draft decode + write", cores))
-    vs_reference = {}
-    if reference:
-        for f in formats:
-            row = by[(f"dlpipe convert --to {f}", cores)]
-            own = row.get("dlpipe_median_s")
-            vs_reference[f] = {
-                "wall": reference["median_s"] / row["median_s"],
-                "dlpipe_timer": reference["median_s"] / own if own else None,
-            }
-    return {
-        "ratio_goal": GOAL_RATIO,
-        "ratio_wall": ratio,
-        "ratio_dlpipe_timer": internal,
-        "ratio_met": bool(ratio) and all(r >= GOAL_RATIO for r in ratio.values()),
-        "ratio_met_dlpipe_timer": bool(internal)
-        and all(r is not None and r >= GOAL_RATIO for r in internal.values()),
-        "efficiency_goal": GOAL_EFFICIENCY,
-        "scaling": scaling,
-        "vs_one_pass_reference": vs_reference,
-        "reference_ratio_to_limit": reference.get("ratio_to_limit") if reference else None,
-        "startup_s": {
-            f"{f} workers={w}": by[(f"dlpipe convert --to {f}", w)]["median_s"]
-            - by[(f"dlpipe convert --to {f}", w)].get("dlpipe_median_s", float("nan"))
-            for f in formats
-            for w in (cores, 1)
-            if (f"dlpipe convert --to {f}", w) in by
-        },
-        "scaling_met": bool(dl_scaling)
-        and all(v["efficiency"] >= GOAL_EFFICIENCY for v in dl_scaling),
-    }
-
-
-def markdown(result: dict[str, Any]) -> str:
-    m, c, cfg, v = result["machine"], result["corpus"], result["config"], result["verdict"]
-    cores = cfg["cores"]
-    lines = [
-        "# `dlpipe convert` against the physical limit",
-        "",
-        generated_line(result),
-        "",
-        f"Machine: {m['cpus_usable']} usable CPUs ({m['cpu_count']} reported), {m['processor']}, "
-        f"Python {m['python']}, Pillow {m['pillow']} (libjpeg-turbo {m['libjpeg_turbo']}), "
-        f"dlpipe {m['dlpipe']}, litdata {m['litdata']}. Load average before / after: "
-        f"{result['load_before']} / {result['load_after']}.",
-        "",
-        f"Corpus (`benchmarks/corpus.py`, seed {c['seed']}): {c['images']} photo-like JPEGs "
-        f"(quality {c['jpeg_quality']}) in {c['classes']} classes, "
-        f"{c['total_bytes'] / 1e6:.1f} MB, mean {c['mean_bytes'] / 1e3:.1f} KB, "
-        f"mean {c['mean_width']:.0f}x{c['mean_height']:.0f} px.",
-        "",
-        f"Median of {cfg['repeats']} repeats. Warm page cache: the corpus was read once before "
-        "timing (the cache cannot be dropped without root), so every contender reads from "
-        "memory. Outputs go to the same disk; copies are not fsync'ed, dlpipe fsyncs each "
-        "shard. The limit at W workers = the slower of `copy` and `draft decode` at W "
-        "workers; `xlimit` compares each row with the limit at its own worker count. "
-        "Seconds are wall clock; `dlpipe s` is the time dlpipe itself reports (without "
-        "interpreter start-up and imports).",
-        "",
-        "| contender | kind | workers | seconds | images/s | MB/s | xlimit | dlpipe s | "
-        "xlimit (dlpipe s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["rows"]:
-        ratio = f"{r['ratio_to_limit']:.2f}" if r.get("ratio_to_limit") else "-"
-        own = f"{r['dlpipe_median_s']:.2f}" if "dlpipe_median_s" in r else "-"
-        own_ratio = f"{r['dlpipe_ratio_to_limit']:.2f}" if "dlpipe_ratio_to_limit" in r else "-"
-        lines.append(
-            f"| {r['contender']} | {r['kind']} | {r['workers']} | {r['median_s']:.2f} "
-            f"| {r['images_per_s']:,.0f} | {r['MB_per_s']:.0f} | {ratio} | {own} | {own_ratio} |"
-        )
-    for w, lim in result["limits"].items():
-        lines.append(
-            f"| **limit** (bound by {lim['bound_by']}) | limit | {w} | {lim['seconds']:.2f} "
-            f"| {lim['images_per_s']:,.0f} | {lim['MB_per_s']:.0f} | 1.00 | - | - |"
-        )
-    if result["litdata_note"]:
-        lines += ["", result["litdata_note"]]
-    lines += ["", *verdict_lines(v, cores)]
-    if result.get("profile"):
-        lines += [
-            "",
-            "## Profile: in-process `dlpipe convert --to wds --workers 1` (cProfile)",
-            "",
-            "```",
-            result["profile"],
-            "```",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def verdict_lines(v: dict[str, Any], cores: int) -> list[str]:
-    wall = ", ".join(f"{f} {r:.2f}x" for f, r in v["ratio_wall"].items())
-    own = ", ".join(f"{f} {r:.2f}x" for f, r in v["ratio_dlpipe_timer"].items() if r)
-    scaling = ", ".join(
-        f"{name} {s['speedup']:.2f}x ({100 * s['efficiency']:.0f}%)"
-        for name, s in v["scaling"].items()
-    )
-    ref = v["vs_one_pass_reference"]
-    ref_text = ", ".join(
-        f"{f} {r['wall']:.2f}x wall / {r['dlpipe_timer']:.2f}x dlpipe timer"
-        for f, r in ref.items()
-        if r["dlpipe_timer"]
-    )
-    startup = ", ".join(f"{k} {s:.2f} s" for k, s in v["startup_s"].items())
-    return [
-        f"Goal: each format >= {v['ratio_goal']}x the limit when no re-encode is asked, "
-        f"near-linear scaling 1 → all cores (here 1 → {cores}; near-linear = speedup >= "
-        f"{v['efficiency_goal']} x cores).",
-        "",
-        f"- Throughput vs the limit at {cores} workers: {met(v['ratio_met'])} on wall clock "
-        f"({wall}); {met(v['ratio_met_dlpipe_timer'])} on dlpipe's own timer ({own}).",
-        f"- Scaling 1 → {cores} workers (speedup, efficiency): {met(v['scaling_met'])} "
-        f"({scaling}; the limit's parts for comparison).",
-        "",
-        "Context: the limit assumes copying and decoding overlap for free; on CPU-bound cores "
-        "they add up, so even the one-pass `read + draft decode + write` reference reaches "
-        f"only {ref_ratio(v)} of it. dlpipe against that reference: {ref_text}. Wall clock "
-        f"minus dlpipe's own time (interpreter start-up, imports, summary): {startup}. "
-        "dlpipe prints its time to 0.1 s, so the dlpipe-timer ratios carry about ±0.05 s.",
-    ]
-
-
-def ref_ratio(v: dict[str, Any]) -> str:
-    value = v.get("reference_ratio_to_limit")
-    return f"{value:.2f}x" if value else "(not measured)"
-
-
 # ----------------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--images", type=int, help="corpus size (default 1500; --quick 200)")
+    parser.add_argument(
+        "--n",
+        "--images",
+        dest="n",
+        type=int,
+        help=f"corpus size in images (default {DEFAULT_IMAGES:,}; --quick 200)",
+    )
     parser.add_argument("--quick", action="store_true", help="small corpus, 1 repeat")
     parser.add_argument("--repeats", type=int, help="timed repeats (default 3; --quick 1)")
     parser.add_argument(
         "--corpus",
-        help=f"corpus folder (default {DEFAULT_CORPUS}/<images>-s<seed>, reused when it matches)",
+        help=f"corpus folder (default {DEFAULT_CORPUS}/<n>-s<seed>, reused when it matches)",
     )
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default 0)")
     parser.add_argument("--work", help="scratch folder for outputs (default: a temp folder)")
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     parser.add_argument("--no-litdata", action="store_true", help="skip LitData's optimize")
+    parser.add_argument("--no-webdataset", action="store_true", help="skip the ShardWriter copy")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of --workers 1")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     args = parser.parse_args(argv)
-    args.images = args.images or (200 if args.quick else 1500)
+    args.n = args.n or (200 if args.quick else DEFAULT_IMAGES)
     args.repeats = args.repeats or (1 if args.quick else 3)
-    if args.images < 1 or args.repeats < 1:
-        parser.error("--images and --repeats must be at least 1")
+    if args.n < 1 or args.repeats < 1:
+        parser.error("--n and --repeats must be at least 1")
     return args
 
 
-def run_all(bench: Bench, args: argparse.Namespace) -> str | None:
-    """Every contender in order; returns the LitData note (None when it ran)."""
-    cores = bench.cores
-    bench.baselines(cores)
-    bench.baselines(1)
-    for fmt in args.formats:
-        bench.dlpipe(fmt, cores)
-    for fmt in args.formats:
-        bench.dlpipe(fmt, 1)
+def run_all(bench: Bench, args: argparse.Namespace) -> str:
+    """Every contender, all cores then one worker; returns the note on the other tools."""
+    with_wds = not args.no_webdataset and package_version("webdataset") is not None
+    for workers in (bench.cores, 1):
+        bench.baselines(workers)
+        if with_wds:
+            bench.webdataset(workers)
+        for fmt in args.formats:
+            bench.dlpipe(fmt, workers)
+    bench.disk()
+    notes = [] if with_wds else ["webdataset: skipped or not installed (`pip install webdataset`)."]
     version = litdata_version()
-    if args.no_litdata:
-        return "LitData: skipped (--no-litdata)."
-    if version is None:
-        return "LitData: not installed (`pip install litdata` to include it)."
-    bench.litdata(cores)
-    return (
-        f"LitData {version} `optimize` stores the file bytes and the label per sample and "
-        "does not decode the images, so it checks less than dlpipe and the limit do."
-    )
+    if args.no_litdata or version is None:
+        notes.append("LitData: skipped (--no-litdata) or not installed (`pip install litdata`).")
+    else:
+        bench.litdata(bench.cores)
+    return " ".join(notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -540,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     cores = os.cpu_count() or 1
-    root, corpus = cached_corpus(args.corpus, args.images, args.seed)
+    root, corpus = cached_corpus(args.corpus, args.n, args.seed)
     print(f"corpus {root} ({'reused' if corpus['reused'] else 'made'})", file=sys.stderr)
     if args.work:
         os.makedirs(args.work, exist_ok=True)
@@ -551,17 +481,18 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         warm_up(bench.files)
         warmup_s = time.perf_counter() - t0
-        litdata_note = run_all(bench, args)
+        notes = run_all(bench, args)
         profile = profile_dlpipe(bench.root, work) if args.profile else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    limits = add_ratios(bench.rows, cores)
+    limits = add_ratios(bench.rows)
     stem = "convert_quick" if args.quick else "convert"
     command = "python benchmarks/convert.py" + (" " + " ".join(argv) if argv else "")
+    stats = {k: v for k, v in corpus.items() if k not in ("per_class", "reused")}
     result = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": {
-            "images": args.images,
+            "images": args.n,
             "repeats": args.repeats,
             "cores": cores,
             "formats": args.formats,
@@ -570,14 +501,14 @@ def main(argv: list[str] | None = None) -> int:
             "json_name": f"{stem}.json",
         },
         "machine": machine_info(),
-        "corpus": {k: v for k, v in corpus.items() if k not in ("per_class", "reused")},
+        "corpus": stats,
         "warmup_read_s": warmup_s,
         "load_before": load_before,
         "load_after": load_average(),
         "rows": bench.rows,
         "limits": limits,
-        "verdict": verdicts(bench.rows, cores),
-        "litdata_note": litdata_note,
+        "verdict": verdicts(bench.rows, cores, stats),
+        "litdata_note": notes,
         "profile": profile,
         "total_s": time.perf_counter() - started,
     }
