@@ -113,9 +113,10 @@ def _counters_outputs(counters: RunCounters, start: int) -> Iterator[Any]:
 
 CASES = [
     Case("epoch-sampler", ("EpochSampler",), _sampler, _sampler_outputs),
-    Case("loader-lmdb", ("_StopSafeLoader",), _loader, _loader_outputs, data="lmdb"),
-    Case("loader-hdf5", ("_StopSafeLoader",), _loader, _loader_outputs, data="hdf5"),
-    Case("loader-wds", ("_StopSafeLoader", "_StreamView"), _loader, _loader_outputs, data="wds"),
+    Case("loader-lmdb", ("PreparedLoader",), _loader, _loader_outputs, data="lmdb"),
+    Case("loader-hdf5", ("PreparedLoader",), _loader, _loader_outputs, data="hdf5"),
+    # the stream order advances only as the loader yields batches: its state is the loader's
+    Case("loader-wds", ("PreparedLoader", "StreamOrder"), _loader, _loader_outputs, data="wds"),
     Case("step-runner", ("StepRunner",), _runner, _runner_outputs),
     Case("early-stopping", ("EarlyStopping",), _early_stop, _early_stop_outputs),
     Case("run-counters", ("RunCounters",), lambda _: RunCounters(), _counters_outputs),
