@@ -1,11 +1,13 @@
 """Benchmark: ``dlpipe demo`` end to end, as a user runs it, against its goals.
 
 It runs ``dlpipe demo --out <fresh temp folder>`` as a process (generate 3,200 JPEGs, convert
-to every format and verify, tune the loader, train ResNet-18, summary) and reports the
-wall-clock time of the whole command and of each stage (from the demo's own lines), and the
-final validation top-1 from the run's ``metrics.jsonl``. Goals (the demo issue): under 5
-minutes on a 2-core CPU, and at least 90 % val top-1. The accuracy is also asserted by a test;
-the time is only measured here.
+to every format and verify, tune the loader, train the demo's small CNN, summary) and reports
+the wall-clock time and the CPU-seconds of the whole command (the process and its children),
+the time of each stage (from the demo's own lines), and the final validation top-1 from the
+run's ``metrics.jsonl``. Goals (the loading-room issue): at most 3 minutes on a 2-core CPU,
+and at least 90 % val top-1. On a shared machine the wall clock includes waiting for the
+CPUs, so the CPU-seconds / usable cores are reported beside it. The accuracy is also asserted
+by a test; the time is only measured here.
 
 Run from the repository root, in the venv where dlpipe is installed::
 
@@ -15,7 +17,9 @@ Run from the repository root, in the venv where dlpipe is installed::
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -31,12 +35,17 @@ from common import dlpipe_executable, generated_line, log, met, write_results  #
 from machine import machine_info
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-GOAL_S = 300.0
+GOAL_S = 180.0
 GOAL_TOP1 = 0.90
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_demo(out: Path) -> dict[str, Any]:
-    start = time.perf_counter()
+    start, cpu_before = time.perf_counter(), _children_cpu_s()
     stages: dict[str, float] = {}
     proc = subprocess.Popen(
         [dlpipe_executable(), "demo", "--out", str(out)],
@@ -52,6 +61,7 @@ def run_demo(out: Path) -> dict[str, Any]:
         log(line.rstrip())
     code = proc.wait()
     total = time.perf_counter() - start
+    cpu_s = _children_cpu_s() - cpu_before
     if code != 0:
         raise RuntimeError(f"dlpipe demo failed ({code}):\n{proc.stderr.read()}")  # type: ignore[union-attr]
     epochs = [
@@ -61,6 +71,10 @@ def run_demo(out: Path) -> dict[str, Any]:
     ]
     return {
         "total_s": total,
+        "cpu_s": cpu_s,
+        "cpus": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "stage_done_at_s": stages,
         "epochs": len(epochs),
         "top1": epochs[-1]["top1"],
@@ -78,8 +92,11 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "| measure | value | goal | verdict |",
         "|---|---:|---:|---|",
-        f"| wall-clock, whole command | {r['total_s']:.0f} s | < {GOAL_S:.0f} s | "
-        f"{met(r['total_s'] < GOAL_S)} |",
+        f"| wall-clock, whole command | {r['total_s']:.0f} s | <= {GOAL_S:.0f} s | "
+        f"{met(r['total_s'] <= GOAL_S)} |",
+        f"| CPU-seconds / {r['cpus']} cores (the time on an idle machine) | "
+        f"{r['cpu_s'] / r['cpus']:.0f} s ({r['cpu_s']:.0f} CPU-s) | <= {GOAL_S:.0f} s | "
+        f"{met(r['cpu_s'] / r['cpus'] <= GOAL_S)} |",
         f"| val top-1 after {r['epochs']} epochs | {100 * r['top1']:.1f} % | "
         f">= {100 * GOAL_TOP1:.0f} % | {met(r['top1'] >= GOAL_TOP1)} |",
         "",

@@ -40,7 +40,6 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
                 spec.flag,
                 dest=spec.name,
                 type=spec.parse,
-                choices=spec.choices,
                 default=None if spec.default is MISSING else spec.default,
                 required=spec.default is MISSING,
                 metavar=spec.metavar,

@@ -1,7 +1,8 @@
 """`ConvertConfig`: everything ``dlpipe convert`` takes, as nested keyword-only dataclasses.
 
     ConvertConfig(raw, to, out, resume, overwrite)
-      .source   SourceConfig   --source --image-col --label-col --image-root --keep-empty-classes
+      .source   SourceConfig   --source --image-col --label-col --image-root --key-col
+                               --keep-empty-classes
       .images   ImageConfig    --max-side --quality
       .shards   ShardConfig    --shard-size --val-fraction --seed --on-error
       .engine   EngineConfig   --engine --workers --ray-address
@@ -77,6 +78,17 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {text!r} (choose from {', '.join(choices)})"
+            )
+        return text
+
+    return parse
+
+
 def option(
     help: str,
     *,
@@ -89,6 +101,8 @@ def option(
     metavar: str | None = None,
 ) -> Any:
     """A config field that is also a ``dlpipe convert`` option (see `OptionSpec`)."""
+    if choices is not None:
+        parse, metavar = _one_of(choices), metavar or "{" + ",".join(choices) + "}"
     facts = {"help": help, "parse": parse, "choices": choices, "name": name, "flag": flag}
     facts["metavar"] = metavar
     return field(default=default, default_factory=default_factory, metadata=facts)
@@ -127,13 +141,9 @@ class OptionSpec:
         wanted = types.get(self.kind, (int, float))
         if not isinstance(value, wanted) or (self.kind != "bool" and isinstance(value, bool)):
             raise ConvertOptionError(
-                f"argument {self.flag}: {value!r} is a {type(value).__name__}; give a "
-                f"{self.kind}" + (" or None" if self.optional else "")
-            )
-        if self.choices is not None and value not in self.choices:
-            allowed = ", ".join(self.choices)
-            raise ConvertOptionError(
-                f"argument {self.flag}: invalid choice: {value!r} (choose from {allowed})"
+                f"argument {self.flag}: {value!r} is a {type(value).__name__}; give "
+                f"{'an' if self.kind == 'int' else 'a'} {self.kind}"
+                + (" or None" if self.optional else "")
             )
         if self.parse is not None:
             try:
@@ -193,6 +203,11 @@ class SourceConfig:
         "(default: the one sub-folder beside the table that holds them)",
         default=None,
         metavar="DIR",
+    )
+    key_col: str | None = option(
+        "the table column whose values become sample keys (default: a __key__, key or id "
+        "column when there is one)",
+        default=None,
     )
     keep_empty_classes: bool = option(
         "keep class folders without images as classes with no samples (else refused)",

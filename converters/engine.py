@@ -109,6 +109,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         image_col=wanted.image_col,
         label_col=wanted.label_col,
         image_root=wanted.image_root,
+        key_col=wanted.key_col,
         keep_empty_classes=wanted.keep_empty_classes,
     )
     source = open_source(config.raw, wanted.kind, options)
@@ -132,6 +133,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
             "image_col": wanted.image_col,
             "label_col": wanted.label_col,
             "image_root": wanted.image_root,
+            "key_col": wanted.key_col,
         },
     )
     return PlannedConversion(

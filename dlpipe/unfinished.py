@@ -50,6 +50,7 @@ CONVERT_OPTION_FLAGS = {
     "image_col": "--image-col",
     "label_col": "--label-col",
     "image_root": "--image-root",
+    "key_col": "--key-col",
     "shard_bytes": "--shard-size",
     "max_side": "--max-side",
     "quality": "--quality",
@@ -60,8 +61,10 @@ CONVERT_OPTION_FLAGS = {
     "ray_address": "--ray-address",
     "keep_empty_classes": "--keep-empty-classes",
 }
-"""`dlpipe convert`'s options that shape a conversion (ConvertConfig field -> flag): the ones
-its printed commands repeat, and the only ones a resume hint read from a journal may hold."""
+"""`dlpipe convert`'s options that shape a conversion (option -> flag): the ones its printed
+commands repeat, and the only ones a resume hint read from a journal may hold. The converters'
+`ConvertConfig` takes these options' flags from here (a test checks both name the same
+options); the core never imports the converters, so the list lives on this side."""
 _SWITCHES = frozenset({"--keep-empty-classes"})  # flags without a value
 _RESUME_FLAGS = {flag: int(flag not in _SWITCHES) for flag in CONVERT_OPTION_FLAGS.values()}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,40 +18,28 @@ from typing import Any
 
 from rich.console import Console
 
-__all__ = ["add_train_parser", "run_train"]
+__all__ = ["add_train_parser", "config_flags", "run_train"]
 
-# flag dest -> (config section, key); every flag defaults to None ("not given")
-_FLAGS: dict[str, tuple[str, str]] = {
-    "data": ("data", "path"),
-    "train_split": ("data", "train_split"),
-    "val_split": ("data", "val_split"),
-    "image_size": ("data", "image_size"),
-    "min_crop_scale": ("data", "min_crop_scale"),
-    "num_workers": ("data", "num_workers"),
-    "model": ("model", "name"),
-    "channels_last": ("model", "channels_last"),
-    "compile": ("model", "compile"),
-    "optimizer": ("optim", "optimizer"),
-    "lr": ("optim", "lr"),
-    "weight_decay": ("optim", "weight_decay"),
-    "warmup_epochs": ("optim", "warmup_epochs"),
-    "clip_grad": ("optim", "clip_grad"),
-    "label_smoothing": ("optim", "label_smoothing"),
-    "epochs": ("run", "epochs"),
-    "batch_size": ("run", "batch_size"),
-    "micro_batch": ("run", "micro_batch"),
-    "precision": ("run", "precision"),
-    "out": ("run", "out"),
-    "resume": ("run", "resume"),
-    "seed": ("run", "seed"),
-    "max_steps": ("run", "max_steps"),
-    "early_stop_patience": ("run", "early_stop_patience"),
-    "keep_last": ("run", "keep_last"),
-    "checkpoint_every": ("run", "checkpoint_every_steps"),
-    "log_every": ("run", "log_every_steps"),
-    "dist_timeout": ("run", "dist_timeout_s"),
-    "wandb": ("run", "wandb"),
+# the flags whose name is not their config key's; every other key's flag is its name with dashes
+_RENAMED = {
+    ("data", "path"): "data",
+    ("model", "name"): "model",
+    ("run", "checkpoint_every_steps"): "checkpoint_every",
+    ("run", "log_every_steps"): "log_every",
+    ("run", "dist_timeout_s"): "dist_timeout",
 }
+
+
+def config_flags() -> dict[str, tuple[str, str]]:
+    """Flag dest → (config section, key), for every `TrainConfig` field; every flag defaults
+    to None ("not given"), so the defaults live in the config alone."""
+    from dlpipe.train.config import TrainConfig
+
+    flags = {}
+    for section in dataclasses.fields(TrainConfig):
+        for key in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+            flags[_RENAMED.get((section.name, key.name), key.name)] = (section.name, key.name)
+    return flags
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,6 +63,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
     p.add_argument("--channels-last", action="store_const", const=True)
     p.add_argument("--clip-grad", type=float, help="max gradient norm")
+    p.add_argument("--momentum", type=float, help="SGD momentum (0.9)")
     p.add_argument("--label-smoothing", type=float)
     p.add_argument("--early-stop-patience", type=int, help="epochs without val-loss gain")
     p.add_argument("--max-steps", type=int, help="stop (with a checkpoint) after N steps")
@@ -86,13 +76,18 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, help="also checkpoint every N steps")
     p.add_argument("--log-every", type=int, help="log the step loss every N steps (20)")
     p.add_argument("--dist-timeout", type=float, help="seconds a rank waits for the others (600)")
+    p.add_argument(
+        "--max-nonfinite-steps",
+        type=int,
+        help="fail after N steps in a row with a non-finite loss (20)",
+    )
     p.set_defaults(handler=run_train)
 
 
 def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The flags given on the command line, as config sections."""
     out: dict[str, dict[str, Any]] = {}
-    for dest, (section, key) in _FLAGS.items():
+    for dest, (section, key) in config_flags().items():
         value = getattr(args, dest, None)
         if value is not None:
             out.setdefault(section, {})[key] = value
