@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch.utils.data
@@ -52,6 +52,7 @@ __all__ = [
     "ManifestStamp",
     "MapDataset",
     "PreparedDataset",
+    "ShardReaders",
     "StreamDataset",
     "open_dataset",
     "read_manifest_stamped",
@@ -207,6 +208,56 @@ class CheckedReader:
         self._opened_in = None  # a reopened shard is checked again
 
 
+class ShardReaders(Sequence[CheckedReader]):
+    """A split's shard readers, each made when it is first asked for: opening a split of
+    10,000 shards makes none, and reading sample ``i`` makes (and opens) only its shard's.
+
+    Pickles without the readers made so far (a DataLoader worker makes its own).
+    """
+
+    def __init__(self, folder: str, manifest: Manifest, split: str, stamp: ManifestStamp) -> None:
+        self.folder, self.stamp = folder, stamp
+        self.format = get_format(manifest.format, manifest.format_version)
+        self.shards = manifest.split(split).shards
+        self.fields, self.num_classes = list(manifest.fields_of(split)), len(manifest.classes)
+        self._made: dict[int, CheckedReader] = {}
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @overload
+    def __getitem__(self, index: int) -> CheckedReader: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[CheckedReader]: ...
+
+    def __getitem__(self, index: int | slice) -> CheckedReader | list[CheckedReader]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"shard {index} is out of range for {len(self)} shards")
+        reader = self._made.get(index)
+        if reader is None:
+            info = self.shards[index]
+            shard = self.format.reader(storage.join(self.folder, info.name), info, self.fields)
+            reader = self._made[index] = CheckedReader(shard, self.stamp, self.num_classes)
+        return reader
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_made": {}}
+
+    def made(self) -> int:
+        """How many readers were made in this process so far."""
+        return len(self._made)
+
+    def close(self) -> None:
+        """Close every reader made (the others hold nothing)."""
+        for reader in self._made.values():
+            reader.close()
+
+
 Transform = Callable[[Sample], Any]
 
 
@@ -241,16 +292,10 @@ class PreparedDataset:
         self.split = split
         self.rank, self.world_size = rank, world_size
         self.transform = transform
-        fmt = get_format(manifest.format, manifest.format_version)
-        info = manifest.split(split)
-        fields = list(manifest.fields)
         self.stamp = stamp
-        classes = len(manifest.classes)
-        self.readers: list[CheckedReader] = [
-            CheckedReader(fmt.reader(storage.join(path, s.name), s, fields), stamp, classes)
-            for s in info.shards
-        ]
-        counts = np.asarray([s.samples for s in info.shards], dtype=np.int64)
+        self.readers = ShardReaders(path, manifest, split, stamp)
+        self.shard_samples = [s.samples for s in manifest.split(split).shards]
+        counts = np.asarray(self.shard_samples, dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
 
     def __len__(self) -> int:
@@ -266,8 +311,7 @@ class PreparedDataset:
         return self.transform(sample) if self.transform is not None else sample
 
     def close(self) -> None:
-        for reader in self.readers:
-            reader.close()
+        self.readers.close()
 
     def __enter__(self) -> PreparedDataset:
         return self
@@ -292,10 +336,11 @@ class MapDataset(PreparedDataset, torch.utils.data.Dataset):
         consumer, consumers = reader_part(self.rank, self.world_size)
         n = len(self)
         start, stop = consumer * n // consumers, (consumer + 1) * n // consumers
-        for shard, reader in enumerate(self.readers):
+        for shard in range(len(self.readers)):
             lo, hi = int(self._starts[shard]), int(self._starts[shard + 1])
             if hi <= start or lo >= stop:
                 continue
+            reader = self.readers[shard]  # made here: shards outside the range cost nothing
             if start <= lo and hi <= stop:
                 yield from (self._emit(s) for s in reader)
             else:
@@ -315,9 +360,12 @@ class StreamDataset(PreparedDataset, torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         """This rank's run of the split in stored order, its shard segments dealt to the
         DataLoader workers in turn (`StreamOrder`); a worker without one yields nothing."""
-        sizes = [len(reader) for reader in self.readers]
         order = StreamOrder(
-            sizes, rank=self.rank, world_size=self.world_size, shuffle=False, equal_shares=False
+            self.shard_samples,
+            rank=self.rank,
+            world_size=self.world_size,
+            shuffle=False,
+            equal_shares=False,
         )
         segments = order.worker_segments(order.segments(0))
         yield from (self._emit(s) for _, s in order.read(self.readers, segments, 0))
