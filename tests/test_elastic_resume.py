@@ -211,5 +211,6 @@ def test_a_wds_state_from_another_batch_size_is_refused_naming_the_field(make_da
     loader = _loader(path, num_workers=0, transform=None)
     next(iter(loader))
     other = _loader(path, num_workers=0, batch_size=4, transform=None)
-    with pytest.raises(StateMismatchError, match="batch_size=8, this stream order has batch_size=4"):
+    expected = "batch_size=8, this stream order has batch_size=4"
+    with pytest.raises(StateMismatchError, match=expected):
         other.load_state_dict(loader.state_dict())

@@ -51,9 +51,7 @@ def test_training_ranks_yield_len_equal_whole_batches(uneven, fmt, batch_size) -
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_evaluation_ranks_yield_len_batches_holding_every_sample_once(
-    uneven, fmt, samples
-) -> None:
+def test_evaluation_ranks_yield_len_batches_holding_every_sample_once(uneven, fmt, samples) -> None:
     results = [_rank_keys(uneven[fmt], r, 4, False) for r in range(RANKS)]
     keys = sorted(k for _, batches in results for b in batches for k in b)
     assert keys == sorted(s["__key__"] for s in samples[:37])

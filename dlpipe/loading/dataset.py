@@ -219,7 +219,7 @@ class ShardReaders(Sequence[CheckedReader]):
         self.folder, self.stamp = folder, stamp
         self.format = get_format(manifest.format, manifest.format_version)
         self.shards = manifest.split(split).shards
-        self.fields, self.num_classes = list(manifest.fields), len(manifest.classes)
+        self.fields, self.num_classes = list(manifest.fields_of(split)), len(manifest.classes)
         self._made: dict[int, CheckedReader] = {}
 
     def __len__(self) -> int:

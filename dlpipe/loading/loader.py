@@ -35,9 +35,8 @@ import os
 import signal
 import threading
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.utils.data
@@ -52,111 +51,15 @@ from dlpipe.loading.config import (
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
 from dlpipe.loading.order import EpochSampler, StreamOrder
 from dlpipe.loading.profile import LoaderProfile, select_profile
-from dlpipe.loading.state import StateMismatchError, require_equal, require_fields
+from dlpipe.loading.state import require_equal, require_fields
 from dlpipe.loading.transforms import ImageTransform, image_field
+from dlpipe.loading.views import MapView, Piece, StreamView, collate, shard_runs
 from dlpipe.processes import stop_signals_blocked
-from dlpipe.sample import KEY_FIELD, Sample
+from dlpipe.sample import Sample
 
-__all__ = ["LoaderStateError", "PreparedLoader", "StaleIteratorError", "make_loader"]
+__all__ = ["PreparedLoader", "StaleIteratorError", "make_loader"]
 
 SampleFn = Callable[[Sample], Any]
-
-
-class _MapView(torch.utils.data.Dataset):
-    """``ds[(epoch, index)]`` → the transformed sample; the epoch seeds augmentation."""
-
-    def __init__(self, dataset: MapDataset, transform: Callable[..., Any] | None) -> None:
-        self.dataset, self.transform = dataset, transform
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, item: tuple[int, int]) -> Any:
-        epoch, index = item
-        return _apply(self.transform, self.dataset[index], epoch, index)
-
-
-class _Piece(NamedTuple):
-    """What a stream worker sends: a collated full batch, or its last few samples uncollated
-    (the main process merges them), and the shards they came from as (shard, count) runs."""
-
-    batch: Any
-    samples: list[Any] | None
-    shards: list[tuple[int, int]]
-
-
-def _runs(shards: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for shard in shards:
-        if runs and runs[-1][0] == shard:
-            runs[-1] = (shard, runs[-1][1] + 1)
-        else:
-            runs.append((shard, 1))
-    return runs
-
-
-class _StreamView(torch.utils.data.IterableDataset):
-    """A streaming split read per worker along `StreamOrder`, batched in the worker."""
-
-    def __init__(
-        self,
-        dataset: StreamDataset,
-        transform: Callable[..., Any] | None,
-        order: StreamOrder,
-        collate: Callable[[list[Any]], Any],
-    ) -> None:
-        self.dataset, self.transform, self.order, self.collate = dataset, transform, order, collate
-
-    @classmethod
-    def build(
-        cls,
-        dataset: StreamDataset,
-        transform: Callable[..., Any] | None,
-        *,
-        shuffle: bool,
-        seed: int,
-        batch_size: int,
-        drop_last: bool,
-    ) -> _StreamView:
-        """The view of `dataset` for this rank (``drop_last``: equal whole batches per rank)."""
-        sizes = [s.samples for s in dataset.manifest.split(dataset.split).shards]
-        order = StreamOrder(
-            sizes,
-            rank=dataset.rank,
-            world_size=dataset.world_size,
-            shuffle=shuffle,
-            seed=seed,
-            batch_size=batch_size,
-            equal_shares=drop_last,
-        )
-        order.check_ranks(dataset.path, dataset.split)
-        return cls(dataset, transform, order, _collate)
-
-    def __iter__(self) -> Iterator[_Piece]:
-        epoch, segments = self.order.take()
-        size = self.order.batch_size
-        batch: list[Any] = []
-        shards: list[int] = []
-        for shard, sample in self.order.read(
-            self.dataset.readers, self.order.worker_segments(segments), epoch
-        ):
-            index = zlib.crc32(str(sample[KEY_FIELD]).encode())
-            batch.append(_apply(self.transform, sample, epoch, index))
-            shards.append(shard)
-            if len(batch) == size:
-                yield _Piece(self.collate(batch), None, _runs(shards))
-                batch, shards = [], []
-        if batch:
-            yield _Piece(None, batch, _runs(shards))
-        self.order.finish()
-
-
-def _apply(transform: Callable[..., Any] | None, sample: Sample, epoch: int, index: int) -> Any:
-    if transform is None:
-        return sample
-    if isinstance(transform, ImageTransform):
-        return transform(sample, epoch, index)
-    return transform(sample)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
@@ -190,9 +93,6 @@ class StaleIteratorError(DlpipeError, RuntimeError):
     """An iterator made before `PreparedLoader.load_state_dict` was asked for a batch."""
 
 
-LoaderStateError = StateMismatchError  # the name the trainer and older code catch
-
-
 class _Pass:
     """The pass a loader is in: where it began and what it has yielded to the caller."""
 
@@ -218,7 +118,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
     """
 
     def __init__(self, dataset: Any, **options: Any) -> None:
-        self._stream = isinstance(dataset, _StreamView)
+        self._stream = isinstance(dataset, StreamView)
         if self._stream:  # the workers batch; what they leave over is merged here
             self._batch_size, self._drop_last = options.pop("batch_size"), options.pop("drop_last")
             options.pop("collate_fn", None)
@@ -226,7 +126,9 @@ class PreparedLoader(torch.utils.data.DataLoader):
         super().__init__(dataset, **options)
         if not self._stream:
             self._batch_size = options["batch_size"]
-        self.order: EpochSampler | StreamOrder = dataset.order if self._stream else self.sampler
+        order = dataset.order if self._stream else self.sampler
+        assert isinstance(order, EpochSampler | StreamOrder)
+        self.order: EpochSampler | StreamOrder = order
         prepared: PreparedDataset = dataset.dataset
         self._identity = {"dataset": prepared.stamp.sha256, "split": prepared.split}
         self._pass: _Pass | None = None
@@ -256,9 +158,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
         batches = self._merged(inner, progress) if self._stream else inner
         return self._counted(batches, progress, self._generation)
 
-    def _counted(
-        self, batches: Iterator[Any], progress: _Pass, generation: int
-    ) -> Iterator[Any]:
+    def _counted(self, batches: Iterator[Any], progress: _Pass, generation: int) -> Iterator[Any]:
         while True:
             if generation != self._generation:
                 raise StaleIteratorError(
@@ -275,7 +175,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
             self._pass = None
             self.order.finish()
 
-    def _merged(self, pieces: Iterator[_Piece], progress: _Pass) -> Iterator[Any]:
+    def _merged(self, pieces: Iterator[Piece], progress: _Pass) -> Iterator[Any]:
         """Full batches as the workers made them; their leftovers merged into full ones."""
         left: list[Any] = []
         shards: list[int] = []
@@ -291,11 +191,9 @@ class PreparedLoader(torch.utils.data.DataLoader):
         if left and not self._drop_last:
             yield self._take_left(progress, left, shards, len(left))
 
-    def _take_left(
-        self, progress: _Pass, left: list[Any], shards: list[int], count: int
-    ) -> Any:
-        batch = _collate(left[:count])
-        self._note(progress, _runs(shards[:count]))
+    def _take_left(self, progress: _Pass, left: list[Any], shards: list[int], count: int) -> Any:
+        batch = collate(left[:count])
+        self._note(progress, shard_runs(shards[:count]))
         del left[:count], shards[:count]
         return batch
 
@@ -337,12 +235,6 @@ class PreparedLoader(torch.utils.data.DataLoader):
         if shutdown is not None:
             shutdown()
         self._iterator = None
-
-
-def _collate(batch: list[Any]) -> Any:
-    if batch and isinstance(batch[0], dict):
-        return batch  # raw samples: a list of dicts
-    return torch.utils.data.default_collate(batch)
 
 
 def make_transform(config: LoaderConfig, dataset: PreparedDataset) -> Callable[..., Any] | None:
@@ -463,7 +355,7 @@ def make_loader(
     drop_last = bool(config.drop_last)
     options: dict[str, Any] = {
         "batch_size": batch_size,
-        "collate_fn": _collate,
+        "collate_fn": collate,
         "drop_last": drop_last,
         **settings.dataloader_options(),
     }
@@ -480,9 +372,9 @@ def make_loader(
             drop_last=drop_last,
             block=batch_size,
         )
-        return _quiet_loader(_MapView(dataset, fn), sampler=sampler, **options)
+        return _quiet_loader(MapView(dataset, fn), sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
-    view = _StreamView.build(
+    view = StreamView.build(
         dataset, fn, shuffle=shuffle, seed=seed, batch_size=batch_size, drop_last=drop_last
     )
     return _quiet_loader(view, **options)

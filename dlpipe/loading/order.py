@@ -180,7 +180,7 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         require_equal(state, "seed", self.seed, "sampler", _ELASTIC_FIX)
         require_equal(state, "shuffle", self.shuffle, "sampler", _ELASTIC_FIX)
         require_equal(
-            state, "num_samples", self.num_samples, "sampler", "load it into a loader of the same split"
+            state, "num_samples", self.num_samples, "sampler", "load it into the same split"
         )
         if state["partial"] and (state["world_size"], state["block"]) != (
             self.world_size,
@@ -307,7 +307,8 @@ class StreamOrder:
     ) -> Iterator[tuple[int, Sample]]:
         """(shard, sample) for each of `segments`, in the epoch's block-shuffled order."""
         for segment in segments:
-            yield from ((segment.shard, s) for s in self._read(sources[segment.shard], segment, epoch))
+            samples = self._read(sources[segment.shard], segment, epoch)
+            yield from ((segment.shard, sample) for sample in samples)
 
     def _read(self, source: ShardSource, segment: Segment, epoch: int) -> Iterator[Sample]:
         shard, begin, end = segment

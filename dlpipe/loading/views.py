@@ -1,0 +1,134 @@
+"""The torch datasets a `PreparedLoader` iterates, and the one way a transform is applied.
+
+- `MapView` (lmdb, hdf5): ``view[(epoch, index)]``, the indices drawn by `EpochSampler`.
+- `StreamView` (wds): each worker reads its shard segments along `StreamOrder` and sends
+  pieces (`Piece`): collated full batches, then its last few samples uncollated, each with the
+  (shard, count) runs it holds, which the loader turns into shard cursors and whole batches.
+
+`apply_transform` gives an `ImageTransform` the epoch and index that seed its augmentation,
+so a resumed loader crops a sample as the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils.data
+
+from dlpipe.loading.dataset import MapDataset, StreamDataset
+from dlpipe.loading.order import StreamOrder
+from dlpipe.loading.transforms import ImageTransform
+from dlpipe.sample import KEY_FIELD, Sample
+
+__all__ = ["MapView", "Piece", "StreamView", "apply_transform", "collate", "shard_runs"]
+
+
+class MapView(torch.utils.data.Dataset):
+    """``ds[(epoch, index)]`` → the transformed sample; the epoch seeds augmentation."""
+
+    def __init__(self, dataset: MapDataset, transform: Callable[..., Any] | None) -> None:
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        epoch, index = item
+        return apply_transform(self.transform, self.dataset[index], epoch, index)
+
+
+class Piece(NamedTuple):
+    """What a stream worker sends: a collated full batch, or its last few samples uncollated
+    (the main process merges them), and the shards they came from as (shard, count) runs."""
+
+    batch: Any
+    samples: list[Any] | None
+    shards: list[tuple[int, int]]
+
+
+def shard_runs(shards: list[int]) -> list[tuple[int, int]]:
+    """Each sample's shard as (shard, count) runs of consecutive equal shards."""
+    runs: list[tuple[int, int]] = []
+    for shard in shards:
+        if runs and runs[-1][0] == shard:
+            runs[-1] = (shard, runs[-1][1] + 1)
+        else:
+            runs.append((shard, 1))
+    return runs
+
+
+class StreamView(torch.utils.data.IterableDataset):
+    """A streaming split read per worker along `StreamOrder`, batched in the worker."""
+
+    def __init__(
+        self,
+        dataset: StreamDataset,
+        transform: Callable[..., Any] | None,
+        order: StreamOrder,
+        collate: Callable[[list[Any]], Any],
+    ) -> None:
+        self.dataset, self.transform, self.order, self.collate = dataset, transform, order, collate
+
+    @classmethod
+    def build(
+        cls,
+        dataset: StreamDataset,
+        transform: Callable[..., Any] | None,
+        *,
+        shuffle: bool,
+        seed: int,
+        batch_size: int,
+        drop_last: bool,
+    ) -> StreamView:
+        """The view of `dataset` for this rank (``drop_last``: equal whole batches per rank)."""
+        sizes = [s.samples for s in dataset.manifest.split(dataset.split).shards]
+        order = StreamOrder(
+            sizes,
+            rank=dataset.rank,
+            world_size=dataset.world_size,
+            shuffle=shuffle,
+            seed=seed,
+            batch_size=batch_size,
+            equal_shares=drop_last,
+        )
+        order.check_ranks(dataset.path, dataset.split)
+        return cls(dataset, transform, order, collate)
+
+    def __iter__(self) -> Iterator[Piece]:
+        epoch, segments = self.order.take()
+        size = self.order.batch_size
+        batch: list[Any] = []
+        shards: list[int] = []
+        for shard, sample in self.order.read(
+            self.dataset.readers, self.order.worker_segments(segments), epoch
+        ):
+            index = zlib.crc32(str(sample[KEY_FIELD]).encode())
+            batch.append(apply_transform(self.transform, sample, epoch, index))
+            shards.append(shard)
+            if len(batch) == size:
+                yield Piece(self.collate(batch), None, shard_runs(shards))
+                batch, shards = [], []
+        if batch:
+            yield Piece(None, batch, shard_runs(shards))
+        self.order.finish()
+
+
+def apply_transform(
+    transform: Callable[..., Any] | None, sample: Sample, epoch: int, index: int
+) -> Any:
+    """`transform` on `sample`: an `ImageTransform` also gets the (epoch, index) seeding it."""
+    if transform is None:
+        return sample
+    if isinstance(transform, ImageTransform):
+        return transform(sample, epoch, index)
+    return transform(sample)
+
+
+def collate(batch: list[Any]) -> Any:
+    """Raw samples as a list of dicts; anything else through torch's default_collate."""
+    if batch and isinstance(batch[0], dict):
+        return batch  # raw samples: a list of dicts
+    return torch.utils.data.default_collate(batch)
