@@ -134,7 +134,7 @@ def _convert_all(config: DemoConfig, raw: str, console: Console) -> tuple[Table,
     table = Table(
         "format", "folder", "samples", "shards", "size", "samples/s", "verified", title="convert"
     )
-    from dlpipe import convert  # lazy: the recipe wires the rooms, the core does not
+    from dlpipe.converters.engine import convert  # dlpipe.convert; the recipe wires the rooms
 
     ok = True
     for name in FORMATS:
@@ -160,7 +160,7 @@ def _convert_all(config: DemoConfig, raw: str, console: Console) -> tuple[Table,
 
 
 def _tune(config: DemoConfig, data: str, console: Console) -> Any:
-    from dlpipe import LoaderConfig
+    from dlpipe.loading.config import LoaderConfig
     from dlpipe.loading.tune import BenchConfig, bench_loader, save_winner
 
     loader = LoaderConfig(batch_size=config.batch_size, image_size=config.image_size)

@@ -12,6 +12,7 @@ import pytest
 
 import dlpipe
 from dlpipe.cli import main
+from dlpipe.demo import DEMO_MINUTES, DemoConfig
 
 
 def test_inspect_shows_format_splits_fields_and_class_counts(make_dataset, capsys) -> None:
@@ -54,6 +55,8 @@ def test_demo_writes_every_format_and_verifies(tmp_path, capsys) -> None:
         assert len(ds) == 32 and fmt in printed
         assert dlpipe.verify_dataset(str(out / f"shapes-{fmt}"), decode=True).ok
     assert sum(1 for _ in (out / "raw").rglob("*.jpg")) == 40
+    first = printed.splitlines()[0]  # the time, up front
+    assert f"(about {DEMO_MINUTES} minutes on 2 CPU cores with the defaults;" in first
     assert "8 shape classes" in printed
     assert (
         "tuned the loader" in printed and (out / "shapes-lmdb" / "dlpipe-profiles.json").is_file()
@@ -91,7 +94,7 @@ def test_console_script_and_python_m_run_as_processes(make_dataset) -> None:
 @pytest.mark.slow
 def test_the_default_demo_trains_to_at_least_90_percent(tmp_path, capsys) -> None:
     """The README's first command, in-process: the embedded dataset is learnt, not guessed."""
-    out = tmp_path / "demo"
+    out, default = tmp_path / "demo", DemoConfig(out="")
     assert main(["demo", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     epochs = [
@@ -99,6 +102,7 @@ def test_the_default_demo_trains_to_at_least_90_percent(tmp_path, capsys) -> Non
         for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
         if '"event": "epoch"' in line
     ]
-    assert len(epochs) == 12 and epochs[-1]["val_samples"] == 640
+    assert len(epochs) == default.epochs and epochs[-1]["val_samples"] == 640
     assert epochs[-1]["top1"] >= 0.90, [round(e["top1"], 3) for e in epochs]
-    assert f"val top-1:        {100 * epochs[-1]['top1']:.1f}% after 12 epochs" in printed
+    last = f"{100 * epochs[-1]['top1']:.1f}% after {default.epochs} epochs"
+    assert f"val top-1:        {last}" in printed

@@ -35,9 +35,9 @@ def config_flags() -> dict[str, tuple[str, str]]:
     to None ("not given"), so the defaults live in the config alone."""
     from dlpipe.train.config import TrainConfig
 
-    flags = {}
-    for section in dataclasses.fields(TrainConfig):
-        for key in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+    flags, config = {}, TrainConfig()
+    for section in dataclasses.fields(config):
+        for key in dataclasses.fields(getattr(config, section.name)):
             flags[_RENAMED.get((section.name, key.name), key.name)] = (section.name, key.name)
     return flags
 
