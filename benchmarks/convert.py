@@ -53,27 +53,39 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import multiprocessing
 import os
 import pstats
 import re
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import PIL
-from PIL import Image, features
+from PIL import features
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import dlpipe_executable, write_results  # sibling scripts
+from convert_jobs import (
+    DISK_FILE_BYTES,
+    DISK_MAX_BYTES,
+    copy_and_decode,
+    copy_file,
+    cpu_seconds,
+    disk_write,
+    draft_decode,
+    litdata_main,
+    litdata_version,
+    pool_map,
+    warm_up,
+    webdataset_copy,
+)
 from convert_report import FORMATS, add_ratios, dlpipe_name, markdown, verdicts
 from corpus import DEFAULT_CORPUS, cached_corpus, corpus_files
 from machine import machine_info as shared_machine_info
@@ -81,103 +93,6 @@ from machine import machine_info as shared_machine_info
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_IMAGES = 20_000
 SUMMARY = re.compile(r"(\d+) samples in ([0-9.]+) s \(([0-9.]+) samples/s, ([0-9.]+) MB/s\)")
-DISK_FILE_BYTES = 64 << 20
-DISK_MAX_BYTES = 1 << 30
-
-
-# ----------------------------------------------------------------------------------- baselines
-
-
-def copy_file(job: tuple[str, str]) -> int:
-    src, dst = job
-    with open(src, "rb") as f:
-        data = f.read()
-    with open(dst, "wb") as f:
-        f.write(data)
-    return len(data)
-
-
-def draft_decode(path: str) -> int:
-    with open(path, "rb") as f:
-        data = f.read()
-    image = Image.open(io.BytesIO(data))
-    image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
-    image.load()
-    return len(data)
-
-
-def copy_and_decode(job: tuple[str, str]) -> int:
-    src, dst = job
-    with open(src, "rb") as f:
-        data = f.read()
-    image = Image.open(io.BytesIO(data))
-    image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
-    image.load()
-    with open(dst, "wb") as f:
-        f.write(data)
-    return len(data)
-
-
-def warm_up(files: Sequence[str]) -> None:
-    """Read every file once, so that every contender starts with the corpus in page cache."""
-    for path in files:
-        with open(path, "rb") as f:
-            while f.read(1 << 20):
-                pass
-
-
-def pool_map(fn: Callable[[Any], int], jobs: Sequence[Any], workers: int) -> int:
-    """`fn` over `jobs` in `workers` forked processes (in this one when 1); total bytes."""
-    if workers == 1:
-        return sum(fn(job) for job in jobs)
-    chunk = max(1, len(jobs) // (workers * 8))
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        return sum(pool.map(fn, jobs, chunksize=chunk))
-
-
-# ----------------------------------------------------------------------------------- contenders
-
-
-def cpu_seconds() -> float:
-    """User + system seconds of this process and of every child it has waited for."""
-    own, children = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def label_of(path: str) -> int:
-    """The corpus's label of an image: its class folder ``class_NNN``."""
-    return int(os.path.basename(os.path.dirname(path)).rsplit("_", 1)[1])
-
-
-def webdataset_copy(job: tuple[list[str], str, int]) -> int:
-    """One plain ``webdataset.ShardWriter`` over a slice of the files; total bytes."""
-    import webdataset
-
-    files, pattern, shard_bytes = job
-    total = 0
-    with webdataset.ShardWriter(pattern, maxsize=shard_bytes, verbose=0) as sink:
-        for path in files:
-            with open(path, "rb") as f:
-                data = f.read()
-            key = os.path.relpath(path, os.path.dirname(os.path.dirname(path)))[:-4]
-            sink.write({"__key__": key.replace("/", "_"), "jpg": data, "cls": label_of(path)})
-            total += len(data)
-    return total
-
-
-def disk_write(folder: str, total_bytes: int) -> int:
-    """`total_bytes` (at most 1 GB) written in 64 MB files, each fsync'ed; bytes written."""
-    block, written = os.urandom(DISK_FILE_BYTES), 0
-    for index in range(max(1, min(total_bytes, DISK_MAX_BYTES) // DISK_FILE_BYTES)):
-        with open(os.path.join(folder, f"{index}.bin"), "wb") as f:
-            f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        written += len(block)
-    return written
 
 
 # ----------------------------------------------------------------------------------- contenders
@@ -238,6 +153,7 @@ class Bench:
             "median_s": median,
             "cpu_s": cpu,
             "median_cpu_s": statistics.median(cpu),
+            "images": len(self.files) if images is None else images,
             "images_per_s": (len(self.files) if images is None else images) / median,
             "MB_per_s": (self.total_bytes if total_bytes is None else total_bytes) / 1e6 / median,
             "runs": extras,
@@ -329,42 +245,28 @@ def parse_summary(stdout: str, images: int) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------------- litdata
-
-
-def litdata_version() -> str | None:
-    try:
-        import litdata
-    except Exception:  # ImportError, or a broken install
-        return None
-    return str(getattr(litdata, "__version__", "unknown"))
-
-
-def litdata_sample(path: str) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        data = f.read()
-    return {"image": data, "label": label_of(path)}
-
-
-def litdata_main(root: str, out: str, workers: int) -> int:
-    from litdata import optimize
-
-    optimize(
-        fn=litdata_sample,
-        inputs=corpus_files(root),
-        output_dir=out,
-        num_workers=workers,
-        chunk_bytes="64MB",
-        verbose=False,
-    )
-    return 0
-
-
 # ----------------------------------------------------------------------------------- profile
 
 
-def profile_dlpipe(root: str, work: str, top: int = 18) -> str:
-    """cProfile of an in-process ``dlpipe convert --to wds --workers 1``: the top functions."""
+STAGES = {  # cProfile's name of a C call → the stage of a conversion it is
+    "<method 'decode' of 'ImagingDecoder' objects>": "JPEG draft decode (libjpeg-turbo)",
+    "<method 'update' of '_hashlib.HASH' objects>": "sha256",
+    "<built-in method posix.fsync>": "fsync",
+    "<method 'read' of '_io.BufferedReader' objects>": "file reads",
+    "<method 'readinto' of '_io.BufferedReader' objects>": "file reads",
+    "<method 'write' of '_io.BufferedWriter' objects>": "file writes",
+    "<method 'flush' of '_io.BufferedWriter' objects>": "file writes",
+    "<method 'close' of '_io.BufferedWriter' objects>": "file writes",
+    "<built-in method posix.mkdir>": "folders and renames",
+    "<built-in method posix.rmdir>": "folders and renames",
+    "<built-in method posix.replace>": "folders and renames",
+    "<built-in method posix.remove>": "folders and renames",
+}
+
+
+def profile_dlpipe(root: str, work: str, top: int = 18) -> tuple[str, dict[str, float]]:
+    """cProfile of an in-process ``dlpipe convert --to wds --workers 1``: the top functions,
+    and the seconds of each stage (`STAGES`; the rest is Python around them)."""
     from dlpipe.cli import main as dlpipe_main
 
     out = os.path.join(work, "profile-wds")
@@ -376,9 +278,14 @@ def profile_dlpipe(root: str, work: str, top: int = 18) -> str:
     profiler.disable()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    stages: dict[str, float] = dict.fromkeys(dict.fromkeys(STAGES.values()), 0.0)
+    for (_, _, function), (_, _, own_s, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if function in STAGES:
+            stages[STAGES[function]] += own_s
+    stages["everything else (Python, other calls)"] = stats.total_tt - sum(stages.values())  # type: ignore[attr-defined]
     stats.sort_stats("cumulative").print_stats(top)
     stats.sort_stats("tottime").print_stats(top)
-    return "\n".join(line.rstrip() for line in text.getvalue().splitlines())
+    return "\n".join(line.rstrip() for line in text.getvalue().splitlines()), stages
 
 
 # ----------------------------------------------------------------------------------- report
@@ -482,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(bench.files)
         warmup_s = time.perf_counter() - t0
         notes = run_all(bench, args)
-        profile = profile_dlpipe(bench.root, work) if args.profile else None
+        profile, stages = profile_dlpipe(bench.root, work) if args.profile else (None, None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     limits = add_ratios(bench.rows)
@@ -510,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "verdict": verdicts(bench.rows, cores, stats),
         "litdata_note": notes,
         "profile": profile,
+        "profile_stages_s": stages,
         "total_s": time.perf_counter() - started,
     }
     write_results(args.out, stem, result, markdown)

@@ -3,8 +3,9 @@
 Ratios compare rows measured in the same run: each dlpipe row against the one-pass reference
 at the same worker count (the goal), and against the limit (the slower of a plain copy and
 the draft decode). Seconds per 1 M images on 8, 32 and 64 cores are extrapolated from the
-measured one-worker rate, scaled linearly at the measured 1 → 2 worker efficiency, and never
-faster than the measured fsync'd write bandwidth of the output disk allows.
+measured one-worker rate, scaled linearly at the measured 1 → 2 worker efficiency (and, more
+cautiously, by an Amdahl fit of the one- and two-worker times), and never faster than the
+measured fsync'd write bandwidth of the output disk allows.
 """
 
 from __future__ import annotations
@@ -62,14 +63,26 @@ def _scaling(by: dict[tuple[str, int], dict[str, Any]], name: str, cores: int) -
 
 
 def extrapolate(
-    row_1: dict[str, Any], efficiency: float, mean_bytes: float, disk_bps: float | None
-) -> dict[str, float]:
-    """Seconds per 1 M images on each of `EXTRAPOLATE_CORES` cores (see the module docstring)."""
-    per_core = row_1["images_per_s"]
-    floor_s = 1e6 * mean_bytes / disk_bps if disk_bps else 0.0
+    by: dict[tuple[str, int], dict[str, Any]], name: str, cores: int, floor_s: float
+) -> dict[str, Any]:
+    """Seconds per 1 M images on `EXTRAPOLATE_CORES` cores, two ways (module docstring).
+
+    ``linear``: the one-worker rate x cores x the measured 1 → `cores` efficiency.
+    ``amdahl``: the one- and `cores`-worker times fitted as serial + parallel / workers (the
+    serial part: start-up, scan and plan in the main process, the last shard's tail).
+    Both are floored at `floor_s`, the disk's time to write 1 M images.
+    """
+    one, many = by[(name, 1)]["median_s"], by[(name, cores)]["median_s"]
+    efficiency = min(1.0, one / many / cores)
+    parallel = min(one, max(0.0, (one - many) * cores / (cores - 1))) if cores > 1 else one
+    serial = one - parallel
+    scale = 1e6 / by[(name, 1)]["images"]
     return {
-        str(cores): max(1e6 / (per_core * cores * min(1.0, efficiency)), floor_s)
-        for cores in EXTRAPOLATE_CORES
+        "serial_s": serial * scale,
+        "linear": {str(c): max(scale * one / (c * efficiency), floor_s) for c in EXTRAPOLATE_CORES},
+        "amdahl": {
+            str(c): max(scale * (serial + parallel / c), floor_s) for c in EXTRAPOLATE_CORES
+        },
     }
 
 
@@ -82,11 +95,8 @@ def verdicts(rows: list[dict[str, Any]], cores: int, corpus: dict[str, Any]) -> 
     names = [dlpipe_name(f) for f in formats] + [REFERENCE, "webdataset ShardWriter copy"]
     scaling = {n: _scaling(by, n, cores) for n in names if (n, 1) in by and (n, cores) in by}
     disk = by.get(("disk write + fsync", 1))
-    disk_bps = disk["MB_per_s"] * 1e6 if disk else None
-    per_million = {
-        n: extrapolate(by[(n, 1)], s["efficiency"], corpus["mean_bytes"], disk_bps)
-        for n, s in scaling.items()
-    }
+    floor_s = 1e6 * corpus["mean_bytes"] / (disk["MB_per_s"] * 1e6) if disk else 0.0
+    per_million = {n: extrapolate(by, n, cores, floor_s) for n in scaling}
     dl_scaling = [s["speedup"] for n, s in scaling.items() if n.startswith("dlpipe")]
     return {
         "goal_vs_reference": GOAL_VS_REFERENCE,
@@ -138,22 +148,28 @@ def table(result: dict[str, Any]) -> list[str]:
 def extrapolation_lines(v: dict[str, Any]) -> list[str]:
     disk = v["disk_write_MB_per_s"]
     cap = f"{disk:,.0f} MB/s" if disk else "not measured"
+    cores = " | ".join(f"{c} cores" for c in EXTRAPOLATE_CORES)
     lines = [
         "## Seconds per 1 M images, extrapolated",
         "",
-        "From the measured one-worker rate x cores x the measured 1 → 2 efficiency (assumed to "
-        "hold at every core count: no further loss to memory bandwidth or the main process), "
-        f"and never under 1 M x the mean image size / this disk's fsync'd write rate ({cap}). "
-        "Reading the raw images from a cold disk or a network is not included.",
+        "`linear`: the measured one-worker rate x cores x the measured 1 → 2 efficiency, "
+        "assumed to hold at every core count. `Amdahl`: the one- and two-worker times fitted "
+        "as a serial part (start-up, scanning and planning in the main process, the last "
+        "shard's tail) plus a part that divides by the workers; the serial part is shown per "
+        "1 M images. Both are floored at 1 M x the mean image size / the disk's fsync'd write "
+        f"rate ({cap}). Reading the raw images from a cold disk or a network is not included.",
         "",
-        "| contender | 1 → 2 speedup | "
-        + " | ".join(f"{c} cores" for c in EXTRAPOLATE_CORES)
-        + " |",
-        "|---|---:|" + "---:|" * len(EXTRAPOLATE_CORES),
+        f"| contender | 1 → 2 speedup | serial s | linear: {cores} | Amdahl: {cores} |",
+        "|---|---:|---:|" + "---:|" * 2 * len(EXTRAPOLATE_CORES),
     ]
     for name, per in v["seconds_per_million"].items():
-        cells = " | ".join(f"{per[str(c)]:,.0f} s" for c in EXTRAPOLATE_CORES)
-        lines.append(f"| {name} | {v['scaling'][name]['speedup']:.2f}x | {cells} |")
+        cells = [
+            f"{per[way][str(c)]:,.0f} s" for way in ("linear", "amdahl") for c in EXTRAPOLATE_CORES
+        ]
+        lines.append(
+            f"| {name} | {v['scaling'][name]['speedup']:.2f}x | {per['serial_s']:,.0f} s "
+            f"| {' | '.join(cells)} |"
+        )
     return lines
 
 
@@ -174,6 +190,15 @@ def verdict_lines(v: dict[str, Any], cores: int) -> list[str]:
         "",
         f"Wall clock minus dlpipe's own time (interpreter start-up, imports, summary): {startup}.",
     ]
+
+
+def stage_lines(stages: dict[str, float]) -> list[str]:
+    """Where the profiled conversion's time went, stage by stage."""
+    total = sum(stages.values())
+    lines = ["| stage | seconds | share |", "|---|---:|---:|"]
+    for stage, seconds in sorted(stages.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {stage} | {seconds:.2f} | {100 * seconds / total:.0f}% |")
+    return lines
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -209,5 +234,5 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", *verdict_lines(v, cfg["cores"]), "", *extrapolation_lines(v)]
     if result.get("profile"):
         lines += ["", "## Profile: in-process `dlpipe convert --to wds --workers 1` (cProfile)"]
-        lines += ["", "```", result["profile"], "```"]
+        lines += ["", *stage_lines(result["profile_stages_s"]), "", "```", result["profile"], "```"]
     return "\n".join(lines) + "\n"
