@@ -55,29 +55,33 @@ def _is_class_folder(tree: RawTree, entry: RawEntry) -> bool:
     return True
 
 
+def split_tops(tree: RawTree, root: str) -> dict[str | None, list[RawEntry]]:
+    """Split name → its class folders, or ``{None: root's class folders}``."""
+    top = _class_folders(tree, root)
+    subdirs = {e.name: e for e in top}
+    named = {SPLIT_NAMES[d]: d for d in sorted(subdirs) if d in SPLIT_NAMES}
+    if "train" in named and len(named) > 1:
+        return {split: _class_folders(tree, subdirs[d].path) for split, d in named.items()}
+    return {None: top}
+
+
 class ImageFolderSource(Source):
     kind = "imagefolder"
 
     @classmethod
     def detect(cls, root: str, listings: Listings | None = None) -> bool:
-        """True when `root` has one class folder (only its own listing is made, and kept)."""
+        """True when `root` (or, for split folders, one of them) has a class folder; the
+        listings made are kept for the scan."""
         if not os.path.isdir(root):
             return False
         try:
-            tree = RawTree(root, listings)
-            return any(_is_class_folder(tree, entry) for entry in tree.folders(root))
+            return any(split_tops(RawTree(root, listings), root).values())
         except SourceError:
             return False
 
     def split_roots(self, tree: RawTree | None = None) -> dict[str | None, list[RawEntry]]:
         """Split name → its class folders; ``{None: ...}`` when the root is one class tree."""
-        tree = tree or RawTree(self.root)
-        top = _class_folders(tree, self.root)
-        subdirs = {e.name: e for e in top}
-        named = {SPLIT_NAMES[d]: d for d in sorted(subdirs) if d in SPLIT_NAMES}
-        if "train" in named and len(named) > 1:
-            return {split: _class_folders(tree, subdirs[d].path) for split, d in named.items()}
-        return {None: top}
+        return split_tops(tree or RawTree(self.root), self.root)
 
     def scan(self) -> Scan:
         tree = RawTree(self.root, self.take_listings())

@@ -153,6 +153,10 @@ class SourceOptions:
     """A table's label column; ``"none"`` (any case): the table has none (no ``cls``)."""
     image_root: str | None = None
     """The folder a table's image paths are looked up in after the table's own folder."""
+    key_col: str | None = None
+    """A table's column whose values are the sample keys (escaped and, when too long,
+    shortened by the key rule; duplicates are refused); default: ``__key__``, ``key`` or
+    ``id`` when there is one."""
     keep_empty_classes: bool = False
     """Keep class folders that hold no image as classes with no samples (else refused)."""
 

@@ -28,10 +28,12 @@ Columns (names guessed case-insensitively, or given with ``--image-col``/``--lab
   is one, else ``"0"`` … ``str(max)``; or strings, whose sorted unique values are the classes.
   ``--label-col none``: no label column (samples without ``cls``, no classes). Tables whose
   labels are all -1 (how Hugging Face ships an unlabelled ``test`` split) give samples without
-  ``cls`` and no classes too. Such a split beside labelled ones is refused, naming it: a
-  dataset has one set of fields, so convert the unlabelled split's files on their own. Any
-  other negative label is an error.
-- key (``__key__``, ``key``, ``id``): when present, each row's key is its value escaped by the
+  ``cls`` and no classes too. Such a split beside labelled ones (a named split whose labels
+  are all -1 or empty, or whose table has no label column, as Kaggle's ``test.csv``) gives
+  samples without ``cls``: its manifest entry lists its own fields. Any other negative label
+  is an error.
+- key (``__key__``, ``key``, ``id``, or the column ``--key-col`` names, e.g. Kaggle's
+  ``image_id``): when present, each row's key is its value escaped by the
   key rule (an id too long for a key is shortened by `dlpipe.sample.make_key`, the full id kept
   as the item's ``original``), and duplicates are an error; otherwise ``{split}_{row:08d}``
   (``row_…`` for split None), the row number counted in its split.
@@ -60,6 +62,7 @@ keeps the last 8 of them per process (shards mix rows of every file of a split).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 import decimal
 import json
@@ -102,10 +105,13 @@ from dlpipe.sample import make_key
 __all__ = ["TABLE_SUFFIXES", "TableSource", "split_of_name"]
 
 
-def _label_kind(scan: FileScan) -> str:
-    """``int`` or ``str``: what the label column holds; SourceError on nulls or other types."""
+def _label_kind(scan: FileScan, bare: frozenset[str | None]) -> str | None:
+    """``int`` or ``str``: what the label column holds (None: no labels, an unlabelled
+    split's); SourceError on nulls among labels or other types."""
     kinds = set()
     for row, value in enumerate(scan.labels):
+        if value is None and scan.splits[row] in bare:
+            continue
         if value is None:
             raise SourceError(
                 f"{scan.name} row {row}: the label column {scan.columns.label!r} is empty; "
@@ -121,61 +127,63 @@ def _label_kind(scan: FileScan) -> str:
         kinds.add("int" if isinstance(value, int) else "str")
     if len(kinds) > 1:
         raise SourceError(f"{scan.name}: the labels mix integers and strings; use one kind")
-    return kinds.pop()
+    return kinds.pop() if kinds else None
 
 
 def _classes(scans: list[FileScan]) -> tuple[str, ...]:
-    """Class names, after turning every file's labels into class indices in place."""
-    if scans[0].columns.label is None:
+    """Class names, after turning every file's labels into class indices in place (None for
+    the rows of an unlabelled split)."""
+    if all(s.columns.label is None for s in scans):
         return ()
-    kinds = {_label_kind(s) for s in scans}
+    bare = _unlabelled_splits(scans)
+    for s in scans:
+        s.labels = [
+            None if split in bare else v for split, v in zip(s.splits, s.labels, strict=True)
+        ]
+    kinds = {_label_kind(s, bare) for s in scans} - {None}
+    if not kinds:
+        return ()
     if kinds == {"str"}:
-        classes = tuple(sorted({v for s in scans for v in s.labels}))
+        classes = tuple(sorted({v for s in scans for v in s.labels if v is not None}))
         index = {name: i for i, name in enumerate(classes)}
         for s in scans:
-            s.labels = [index[v] for v in s.labels]
+            s.labels = [None if v is None else index[v] for v in s.labels]
         return classes
     if len(kinds) > 1:
         raise SourceError(
             f"{scans[0].name} and others: labels are integers in some tables and strings in "
             "others; use one kind"
         )
-    if _unlabelled(scans):
-        for s in scans:
-            s.labels = [None] * len(s.labels)
-        return ()
     names = next((s.class_names for s in scans if s.class_names), None)
     for s in scans:
         for row, value in enumerate(s.labels):
-            if value < 0 or (names is not None and value >= len(names)):
+            if value is not None and (value < 0 or (names is not None and value >= len(names))):
                 limit = f"0..{len(names) - 1} (the ClassLabel names)" if names else ">= 0"
                 raise SourceError(
                     f"{s.name} row {row}: label {value} is outside {limit}; fix the label or "
                     "drop the row"
                 )
-    top = max(v for s in scans for v in s.labels)
+    top = max(v for s in scans for v in s.labels if v is not None)
     return names or tuple(str(i) for i in range(top + 1))
 
 
-def _unlabelled(scans: list[FileScan]) -> bool:
-    """True when every label is -1 (a Hugging Face split without labels, given alone); a
-    named split of only -1 beside labelled splits is a SourceError (one dataset has one set
-    of fields, so it is converted on its own)."""
+def _unlabelled_splits(scans: list[FileScan]) -> frozenset[str | None]:
+    """The splits without labels: every label -1 (how Hugging Face ships a test split),
+    empty, or no label column (Kaggle's test.csv). Beside labelled splits only named splits
+    count (a -1 among the rows that ``--val-fraction`` splits is an error)."""
     labels: dict[str | None, set[Any]] = {}
     for s in scans:
         for split, value in zip(s.splits, s.labels, strict=True):
             labels.setdefault(split, set()).add(value)
-    bare = sorted(str(split) for split, values in labels.items() if values == {UNLABELLED})
-    if len(bare) == len(labels):
-        return True
-    if bare and None not in labels:
-        shown = ", ".join(bare)
-        raise SourceError(
-            f"{scans[0].name} and others: split {shown} has only label -1 (no labels, as Hugging "
-            f"Face ships a test split) beside labelled splits; convert its files on their own "
-            "(they give samples without cls), and the labelled splits without them"
-        )
-    return False
+    bare = frozenset(split for split, values in labels.items() if values <= {UNLABELLED, None})
+    if bare != set(labels) and None in labels:
+        return frozenset()
+    return bare
+
+
+def _label_columns(scans: list[FileScan]) -> Columns:
+    """The columns of a labelled table (an unlabelled split's table may lack the label)."""
+    return next((s.columns for s in scans if s.columns.label), scans[0].columns)
 
 
 UNLABELLED = -1
@@ -189,7 +197,7 @@ _Keyed = tuple[str, str | None]  # (key, the full id when the key was shortened)
 def _id_keys(scans: list[FileScan]) -> list[list[_Keyed]]:
     """Each row's key from its id column; SourceError on empty or duplicate ids."""
     out: list[list[_Keyed]] = []
-    seen: Counter[tuple[str | None, str]] = Counter()
+    seen: dict[tuple[str | None, str], str] = {}  # (split, key) -> where it was first
     for s in scans:
         keys: list[_Keyed] = []
         for row, value in enumerate(s.ids):
@@ -204,14 +212,14 @@ def _id_keys(scans: list[FileScan]) -> list[list[_Keyed]]:
                     f"rename the {s.columns.key!r} column"
                 ) from exc
             keys.append((key, display_path(text) if shortened else None))
-            seen[(split_of_name(s.path), key)] += 1
+            first = seen.setdefault((split_of_name(s.path), key), f"{s.name} row {row}")
+            if first != f"{s.name} row {row}":
+                raise SourceError(
+                    f"{s.name} row {row}: key {display_path(text)!r} in column "
+                    f"{s.columns.key!r} is a duplicate (first in {first}); keys must be "
+                    "unique: fix the ids, or give another column with --key-col"
+                )
         out.append(keys)
-    dupes = sorted(key for (_, key), n in seen.items() if n > 1)
-    if dupes:
-        raise SourceError(
-            f"{scans[0].name}: {len(dupes)} duplicate ids in column {scans[0].columns.key!r} "
-            f"({', '.join(dupes[:5])}); ids must be unique: fix them or rename the column"
-        )
     return out
 
 
@@ -229,9 +237,9 @@ def _row_keys(scans: list[FileScan]) -> list[list[_Keyed]]:
 
 def _check_same_columns(scans: list[FileScan]) -> None:
     """Every table gives the same roles to the same columns (each sample has the same fields)."""
-    first = scans[0].columns
-    for s in scans[1:]:
-        if s.columns != first:
+    first = _label_columns(scans)
+    for s in scans:
+        if s.columns != first and dataclasses.replace(s.columns, label=first.label) != first:
             raise SourceError(
                 f"{s.name} and {scans[0].name} have different columns ({_roles(s.columns)} vs "
                 f"{_roles(first)}); every table of a dataset needs the same columns"
@@ -331,7 +339,7 @@ class TableSource(Source):
             for s, keys in zip(scans, keyed, strict=True)
             for row, key in enumerate(keys)
         ]
-        cols = scans[0].columns
+        cols = _label_columns(scans)
         description = {
             "kind": self.kind,
             "root": display_path(self.root),

@@ -38,6 +38,7 @@ __all__ = [
     "folder_tables",
     "is_bytes",
     "is_image_struct",
+    "is_submission",
     "is_table",
     "split_of_name",
     "string_columns",
@@ -64,6 +65,7 @@ TABLE_SUFFIXES = {
     ".parquet": "parquet",
 }
 _DOC_PREFIXES = ("readme", "license")
+_SUBMISSION_PREFIX = "sample_submission"
 
 
 def _has_table_suffix(path: str) -> bool:
@@ -75,9 +77,16 @@ def is_table(path: str) -> bool:
     return os.path.isfile(path) and _has_table_suffix(path)
 
 
+def is_submission(name: str) -> bool:
+    """True for Kaggle's ``sample_submission.csv``: a template of predictions, not data."""
+    return os.path.basename(name).lower().startswith(_SUBMISSION_PREFIX)
+
+
 def _visible(folder: str) -> list[str]:
+    """The names in `folder` that may be tables (hidden, tool and submission names left out)."""
     try:
-        return sorted(n for n in os.listdir(folder) if not is_ignored_name(n))
+        names = os.listdir(folder)
+        return sorted(n for n in names if not is_ignored_name(n) and not is_submission(n))
     except OSError as exc:
         raise unlistable(folder, exc) from exc
 
@@ -152,8 +161,9 @@ def split_of_name(filename: str) -> str | None:
 
 
 def string_columns(options: SourceOptions) -> tuple[str, ...]:
-    """CSV/TSV columns to read as text whatever they look like: the given image column."""
-    return (options.image_col,) if options.image_col else ()
+    """CSV/TSV columns to read as text whatever they look like: the given image and key
+    columns (an id ``001`` stays ``001``)."""
+    return tuple(c for c in (options.image_col, options.key_col) if c)
 
 
 @dataclass(frozen=True)
@@ -224,6 +234,9 @@ def find_columns(schema: pa.Schema, options: SourceOptions, path: str) -> Column
     if split_of_name(path) is None and _SPLIT_COL in schema.names:
         split = _SPLIT_COL if _SPLIT_COL not in (image, label) else None
     taken = {label or "", split or ""} | ({image} if image.lower() != ID_AS_IMAGE else set())
-    key = _guess(schema.names, _KEY_NAMES, taken)
+    if options.key_col:
+        key: str | None = _given(options.key_col, schema, "--key-col", path)
+    else:
+        key = _guess(schema.names, _KEY_NAMES, taken)
     used = {image, label, split}
     return Columns(image, label, split, key, tuple(sorted(set(schema.names) - used)))

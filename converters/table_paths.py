@@ -10,9 +10,10 @@ chosen is logged and recorded in the scan description. A path without an image s
 ``.png``, ...); when none or several match, the path is missing.
 
 `label_table` tells detection whether a folder's root holds exactly one table whose header has
-an image-path column and a label column: such a folder is a ``table`` layout even with class
-or image folders beside the table. Headers are read from regular files inside the folder only,
-at most 64 KiB of each.
+an image-path column and a label column (beside it, only tables that name splits, such as
+Kaggle's unlabelled ``test.csv``; ``sample_submission.csv`` is ignored): such a folder is a
+``table`` layout even with class or image folders beside the table. Headers are read from
+regular files inside the folder only, at most 64 KiB of each.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dlpipe.converters.source import (
     log,
     open_regular,
 )
+from dlpipe.converters.table_names import is_submission, split_of_name
 from dlpipe.storage import is_inside
 
 __all__ = ["PROBE_ROWS", "PathResolver", "label_table", "make_resolver", "resolve_image_root"]
@@ -191,7 +193,9 @@ def label_table(
     label_names: Sequence[str],
 ) -> str | None:
     """The one table file at `root`'s top whose header names an image column and a label
-    column (by the usual names, any case); None when there is none, or several tables."""
+    column (by the usual names, any case); None when there is none, or several. Other tables
+    may sit beside it only when every table names a split (Kaggle's ``train.csv`` beside
+    ``test.csv``, which has no labels); ``sample_submission.csv`` is no table of the data."""
     try:
         names = sorted(n for n in os.listdir(root) if not is_ignored_name(n))
     except OSError:
@@ -199,11 +203,22 @@ def label_table(
     tables = [
         os.path.join(root, n)
         for n in names
-        if os.path.splitext(n)[1].lower() in suffixes and not os.path.isdir(os.path.join(root, n))
+        if os.path.splitext(n)[1].lower() in suffixes
+        and not is_submission(n)
+        and not os.path.isdir(os.path.join(root, n))
     ]
-    if len(tables) != 1 or file_problem(tables[0], raw_folder) is not None:
+    labelled = [t for t in tables if _has_columns(t, raw_folder, image_names, label_names)]
+    if len(labelled) != 1:
         return None
-    header = {name.lower() for name in _header_names(tables[0], raw_folder)}
-    if header & set(image_names) and header & set(label_names):
-        return tables[0]
-    return None
+    if len(tables) > 1 and not all(split_of_name(t) for t in tables):
+        return None
+    return labelled[0]
+
+
+def _has_columns(
+    table: str, raw_folder: str, image_names: Sequence[str], label_names: Sequence[str]
+) -> bool:
+    if file_problem(table, raw_folder) is not None:
+        return False
+    header = {name.lower() for name in _header_names(table, raw_folder)}
+    return bool(header & set(image_names) and header & set(label_names))

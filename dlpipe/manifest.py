@@ -13,6 +13,9 @@ version 1 (all keys required unless marked optional)::
         "train": {
           "samples": 900, "bytes": 4518912,
           "class_counts": [450, 450],                     # optional: per label, when "cls" exists
+          "fields": {"jpg": "image"},                     # optional: this split's own fields,
+                                                          # when they differ (a test split
+                                                          # without labels); else "fields"
           "shards": [{"name": "train-000000.tar", "samples": 900,
                       "bytes": 4518912, "sha256": "…64 hex…"}]
         }
@@ -81,6 +84,9 @@ class SplitInfo:
 
     shards: tuple[ShardInfo, ...]
     class_counts: tuple[int, ...] | None = None
+    fields: dict[str, str] | None = None
+    """This split's fields when they differ from the dataset's (an unlabelled split has no
+    ``cls``); None: the dataset's `Manifest.fields`."""
 
     @property
     def samples(self) -> int:
@@ -110,12 +116,19 @@ class Manifest:
             raise KeyError(f"no split {name!r} in this dataset; splits: {sorted(self.splits)}")
         return self.splits[name]
 
+    def fields_of(self, split: str) -> dict[str, str]:
+        """The fields of split `split`'s samples: its own, else the dataset's."""
+        own = self.split(split).fields
+        return dict(self.fields if own is None else own)
+
     def to_json(self) -> dict[str, Any]:
         splits = {}
         for name, split in self.splits.items():
             entry: dict[str, Any] = {"samples": split.samples, "bytes": split.bytes}
             if split.class_counts is not None:
                 entry["class_counts"] = list(split.class_counts)
+            if split.fields is not None:
+                entry["fields"] = dict(split.fields)
             entry["shards"] = [asdict(s) for s in split.shards]
             splits[name] = entry
         return {
@@ -268,8 +281,7 @@ def _parse(data: dict[str, Any]) -> Manifest:
         version == SCHEMA_VERSION and not isinstance(version, bool),
         f"schema_version {version!r} is not {SCHEMA_VERSION} (upgrade dlpipe to read it)",
     )
-    fields = data["fields"]
-    _require(isinstance(fields, dict) and len(fields) > 0, "'fields' is not a non-empty object")
+    fields = _fields(data["fields"], "fields")
     classes = data["classes"]
     _require(isinstance(classes, list), "'classes' is not a list")
     _require(all(isinstance(c, str) for c in classes), "'classes' holds a non-string")
@@ -282,13 +294,18 @@ def _parse(data: dict[str, Any]) -> Manifest:
     return Manifest(
         format=_string(data["format"], "format"),
         format_version=_count(data["format_version"], "format_version"),
-        fields={_field_name(k): _string(v, f"fields.{k}") for k, v in fields.items()},
+        fields=fields,
         splits=parsed,
         classes=tuple(classes),
         options=_object(data["options"], "options"),
         source=_object(data["source"], "source"),
         dlpipe_version=_string(data["dlpipe_version"], "dlpipe_version"),
     )
+
+
+def _fields(fields: Any, what: str) -> dict[str, str]:
+    _require(isinstance(fields, dict) and len(fields) > 0, f"'{what}' is not a non-empty object")
+    return {_field_name(k): _string(v, f"{what}.{k}") for k, v in fields.items()}
 
 
 def _split_name(name: str) -> str:
@@ -311,7 +328,10 @@ def _parse_split(name: str, data: Any, num_classes: int) -> SplitInfo:
     _require(isinstance(data["shards"], list), f"split {name!r}: 'shards' is not a list")
     shards = tuple(_parse_shard(name, s) for s in data["shards"])
     _require(len(shards) > 0, f"split {name!r} has no shards")
-    split = SplitInfo(shards=shards, class_counts=_class_counts(name, data, num_classes))
+    own = _fields(data["fields"], f"splits.{name}.fields") if "fields" in data else None
+    split = SplitInfo(
+        shards=shards, class_counts=_class_counts(name, data, num_classes), fields=own
+    )
     for key, total in (("samples", split.samples), ("bytes", split.bytes)):
         _require(total <= _INT64_MAX, f"split {name!r} holds more than 2**63-1 {key}")
         _require(

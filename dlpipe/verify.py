@@ -127,7 +127,7 @@ def check_shard(
     if problem is not None:
         return problem, 0
     fmt = get_format(manifest.format, manifest.format_version)
-    reader = fmt.reader(storage.join(path, shard.name), shard, list(manifest.fields))
+    reader = fmt.reader(storage.join(path, shard.name), shard, list(manifest.fields_of(split)))
     try:
         if decode:
             return _decode_shard(reader, split, len(manifest.classes))

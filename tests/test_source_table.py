@@ -267,7 +267,7 @@ def test_id_column_keys(tmp_path: Path) -> None:
 
 def test_duplicate_ids(tmp_path: Path) -> None:
     write_text(tmp_path / "t.csv", "id,image\nx,a.jpg\ny,b.jpg\nx,c.jpg\n")
-    with pytest.raises(SourceError, match=r"1 duplicate ids in column 'id' \(x\)"):
+    with pytest.raises(SourceError, match=r"row 2: key 'x' in column 'id' is a duplicate"):
         scan(tmp_path / "t.csv")
 
 

@@ -256,18 +256,6 @@ def test_hugging_face_unlabelled_test_split_converts_without_cls(tmp_path, caplo
     assert len(test) == 3 and all("cls" not in s for s in test)
 
 
-def test_unlabelled_split_beside_labelled_ones_is_one_clear_error(tmp_path, capsys) -> None:
-    raw = tmp_path / "hf"
-    hf_split(raw / "data/train-00000-of-00001.parquet", [0, 1, 1, 0])
-    hf_split(raw / "data/test-00000-of-00001.parquet", [-1, -1, -1])
-    assert convert(raw, tmp_path / "out") == 2
-    printed = capsys.readouterr()
-    line = one_error_line(printed.err)
-    assert "split test has only label -1" in line and "on their own" in line
-    assert "read as" not in printed.out + printed.err
-    assert not (tmp_path / "out").exists()
-
-
 def test_a_minus_one_among_real_labels_is_still_an_error(tmp_path, capsys) -> None:
     raw = tmp_path / "hf"
     hf_split(raw / "data/train-00000-of-00001.parquet", [0, -1, 1])
