@@ -657,7 +657,7 @@ def test_forked_loader_workers_refuse_a_replaced_dataset(make_dataset, samples) 
     finally:
         # the iterator that raised is kept alive by the traceback: stop its worker now, not
         # at interpreter exit
-        batches._shutdown_workers()  # type: ignore[attr-defined]
+        loader.close()
 
 
 def test_a_closed_and_reopened_view_checks_the_manifest_again(make_dataset, samples) -> None:

@@ -132,6 +132,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
         prepared: PreparedDataset = dataset.dataset
         self._identity = {"dataset": prepared.stamp.sha256, "split": prepared.split}
         self._pass: _Pass | None = None
+        self._inner: Any = None  # the DataLoader iterator of the pass (its workers)
         self._generation = 0
 
     def __len__(self) -> int:
@@ -154,7 +155,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
         if self._stream and self.num_workers > 0:
             assert isinstance(self.order, StreamOrder)
             self.order.take()  # the workers took the pass with them
-        self._pass = progress
+        self._pass, self._inner = progress, inner
         batches = self._merged(inner, progress) if self._stream else inner
         return self._counted(batches, progress, self._generation)
 
@@ -230,11 +231,11 @@ class PreparedLoader(torch.utils.data.DataLoader):
     def close(self) -> None:
         """End the worker processes now (they end with the loader's garbage collection
         otherwise; a trainer that runs in-process must not leave them behind)."""
-        iterator = getattr(self, "_iterator", None)
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        self._iterator = None
+        for iterator in (getattr(self, "_iterator", None), self._inner):
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        self._iterator = self._inner = None
 
 
 def make_transform(config: LoaderConfig, dataset: PreparedDataset) -> Callable[..., Any] | None:
