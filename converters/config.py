@@ -178,13 +178,16 @@ def _specs_of(cls: type, group: str | None) -> Iterator[OptionSpec]:
         )
 
 
-def _check_fields(config: Any, group: str | None) -> None:
-    for spec in _specs_of(type(config), group):
-        spec.check(getattr(config, spec.attr))
+class _Checked:
+    """A config whose `__post_init__` checks every option field by its rule."""
+
+    def __post_init__(self) -> None:
+        for spec in _specs_of(type(self), None):
+            spec.check(getattr(self, spec.attr))
 
 
 @dataclass(frozen=True, kw_only=True)
-class SourceConfig:
+class SourceConfig(_Checked):
     """How to read the raw data."""
 
     kind: str = option(
@@ -214,12 +217,9 @@ class SourceConfig:
         default=False,
     )
 
-    def __post_init__(self) -> None:
-        _check_fields(self, "source")
-
 
 @dataclass(frozen=True, kw_only=True)
-class ImageConfig:
+class ImageConfig(_Checked):
     """What happens to each image on the way into a shard."""
 
     max_side: int | None = option(
@@ -232,12 +232,9 @@ class ImageConfig:
         "JPEG/WebP quality when re-encoding (1..100)", default=95, parse=int_in_range(1, 100)
     )
 
-    def __post_init__(self) -> None:
-        _check_fields(self, "images")
-
 
 @dataclass(frozen=True, kw_only=True)
-class ShardConfig:
+class ShardConfig(_Checked):
     """How samples are split, ordered and cut into shards."""
 
     shard_bytes: int | None = option(
@@ -259,12 +256,9 @@ class ShardConfig:
         choices=("skip", "fail"),
     )
 
-    def __post_init__(self) -> None:
-        _check_fields(self, "shards")
-
 
 @dataclass(frozen=True, kw_only=True)
-class EngineConfig:
+class EngineConfig(_Checked):
     """Where the shard tasks run."""
 
     kind: str = option(
@@ -282,9 +276,6 @@ class EngineConfig:
         "Ray cluster address (default: start or find one)", default=None
     )
 
-    def __post_init__(self) -> None:
-        _check_fields(self, "engine")
-
 
 _GROUPS: dict[str, type] = {
     "source": SourceConfig,
@@ -295,7 +286,7 @@ _GROUPS: dict[str, type] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConvertConfig:
+class ConvertConfig(_Checked):
     """Everything ``dlpipe convert`` takes; see the module docstring and the README."""
 
     raw: str = option(
@@ -317,7 +308,7 @@ class ConvertConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        _check_fields(self, None)
+        super().__post_init__()
         if self.resume and self.overwrite:
             raise ConvertOptionError("--resume and --overwrite contradict each other; choose one")
 
