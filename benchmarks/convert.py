@@ -74,10 +74,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import dlpipe_executable, write_results  # sibling scripts
 from convert_jobs import (
     DISK_FILE_BYTES,
-    DISK_MAX_BYTES,
     copy_and_decode,
     copy_file,
     cpu_seconds,
+    disk_files,
     disk_write,
     draft_decode,
     litdata_main,
@@ -220,12 +220,13 @@ class Bench:
         self.measure("litdata optimize", workers, run, "other tool")
 
     def disk(self) -> None:
+        files, block = disk_files(self.total_bytes), os.urandom(DISK_FILE_BYTES)  # untimed
+
         def run(out: str) -> None:
             os.makedirs(out)
-            disk_write(out, self.total_bytes)
+            disk_write(out, files, block)
 
-        written = max(1, min(self.total_bytes, DISK_MAX_BYTES) // DISK_FILE_BYTES)
-        written *= DISK_FILE_BYTES
+        written = files * DISK_FILE_BYTES
         self.measure("disk write + fsync", 1, run, "disk", images=0, total_bytes=written)
 
 

@@ -104,10 +104,15 @@ def webdataset_copy(job: tuple[list[str], str, int]) -> int:
     return total
 
 
-def disk_write(folder: str, total_bytes: int) -> int:
-    """`total_bytes` (at most 1 GB) written in 64 MB files, each fsync'ed; bytes written."""
-    block, written = os.urandom(DISK_FILE_BYTES), 0
-    for index in range(max(1, min(total_bytes, DISK_MAX_BYTES) // DISK_FILE_BYTES)):
+def disk_files(total_bytes: int) -> int:
+    """How many 64 MB files `disk_write` writes for a corpus of `total_bytes` (1 GB at most)."""
+    return max(1, min(total_bytes, DISK_MAX_BYTES) // DISK_FILE_BYTES)
+
+
+def disk_write(folder: str, files: int, block: bytes) -> int:
+    """`files` files of `block` (64 MB) written, each fsync'ed; bytes written."""
+    written = 0
+    for index in range(files):
         with open(os.path.join(folder, f"{index}.bin"), "wb") as f:
             f.write(block)
             f.flush()
