@@ -60,7 +60,9 @@ def build_tree(root: Path, files: int, classes: int) -> float:
 def _plan(root: str) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="scan-bench-out-")
     try:
-        planned = plan_conversion(ConvertConfig.from_options(raw=root, to="wds", out=out, workers=1))
+        planned = plan_conversion(
+            ConvertConfig.from_options(raw=root, to="wds", out=out, workers=1)
+        )
     finally:
         shutil.rmtree(out)
     return {
