@@ -62,6 +62,7 @@ def run_demo(out: Path) -> dict[str, Any]:
     code = proc.wait()
     total = time.perf_counter() - start
     cpu_s = _children_cpu_s() - cpu_before
+    load_5min = os.getloadavg()[1]  # other processes' share of the CPUs meanwhile
     if code != 0:
         raise RuntimeError(f"dlpipe demo failed ({code}):\n{proc.stderr.read()}")  # type: ignore[union-attr]
     epochs = [
@@ -72,6 +73,7 @@ def run_demo(out: Path) -> dict[str, Any]:
     return {
         "total_s": total,
         "cpu_s": cpu_s,
+        "load_5min": load_5min,
         "cpus": len(os.sched_getaffinity(0))
         if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
@@ -109,7 +111,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"Training samples/s per epoch: {rates}; share of step time waiting for data: {waits}.",
-        f"Machine: {result['machine']['cpu_count']} CPUs, torch {result['machine']['torch']}.",
+        f"Machine: {result['machine']['cpu_count']} CPUs, torch {result['machine']['torch']}; "
+        f"5-minute load average at the end: {r.get('load_5min', float('nan')):.1f} (above the "
+        "core count, other processes shared the CPUs and the wall clock waited for them).",
         "",
     ]
     return "\n".join(lines)
