@@ -105,3 +105,23 @@ def test_shards_hashed_while_written_match_their_files_and_cut_jpegs_are_caught(
     kept = {dlpipe.unescape_key(s["__key__"]): s["jpg"] for s in samples}
     assert kept == {rel[:-4]: data for rel, data in files.items() if rel[:-4] not in errors_keys}
     assert dlpipe.verify_dataset(str(out)).ok
+
+
+def test_a_wds_shard_past_the_write_back_step_is_whole_and_hashed_right(tmp_path, monkeypatch):
+    started: list[tuple[int, int]] = []
+    real_start = wds.start_writeback
+    monkeypatch.setattr(
+        wds, "start_writeback", lambda fd, at, n: (started.append((at, n)), real_start(fd, at, n))
+    )
+    payloads = [np.random.default_rng(i).bytes(3_000_001 + i) for i in range(4)]
+    out = tmp_path / "out"
+    limits = dlpipe.ShardLimits(max_shard_bytes=1 << 30)
+    with dlpipe.DatasetWriter(out=str(out), format="wds", limits=limits) as writer:
+        for i, data in enumerate(payloads):
+            writer.write("train", {"__key__": f"s{i}", "bin": data})
+    (shard,) = dlpipe.read_manifest(str(out)).splits["train"].shards
+    assert [at for at, _ in started] == [0] and started[0][1] >= 8 << 20  # one 8 MiB step
+    assert shard.sha256 == hashlib.sha256((out / shard.name).read_bytes()).hexdigest()
+    with tarfile.open(out / shard.name) as tar:  # plain tar reads it, byte for byte
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    assert members == [(f"s{i}.bin", data) for i, data in enumerate(payloads)]
