@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from test_source_table_layouts import convert, hf_split, jpeg, one_error_line
 
 import dlpipe
@@ -61,11 +60,6 @@ def test_old_manifests_without_split_fields_still_read(tmp_path) -> None:
     assert old.splits["train"].fields is None and old.fields_of("train") == old.fields
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="train's preflight checks cls in the dataset's fields, not the train split's "
-    "(manifest.fields_of(train_split)); today torch raises 'Target -1 is out of bounds'",
-)
 def test_training_on_the_unlabelled_split_is_refused_in_one_line(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     assert convert(hf_export(tmp_path / "hf"), out) == 0

@@ -71,6 +71,13 @@ def check_dataset(config: TrainConfig) -> Manifest:
             f"{d.path} has no split {d.train_split!r} (splits: {', '.join(manifest.splits)}); "
             "set --train-split to one of them"
         )
+    for split, flag in ((d.train_split, "--train-split"), (d.val_split, "--val-split")):
+        if split in manifest.splits and "cls" not in manifest.fields_of(split):
+            labelled = [s for s in manifest.splits if "cls" in manifest.fields_of(s)]
+            raise DatasetError(
+                f"{d.path}: split {split!r} has no cls (label) field, it is unlabelled; set "
+                f"{flag} to a labelled split ({', '.join(labelled) or 'none'})"
+            )
     return manifest
 
 
