@@ -334,7 +334,7 @@ class ConvertConfig(_Checked):
         made = {g: _GROUPS[g](**values) for g, values in groups.items()}
         return cls(**top, **made)
 
-    def option(self, name: str) -> Any:
+    def value_of(self, name: str) -> Any:
         """The value of the option with flat name `name` (e.g. ``"quality"``)."""
         spec = next(s for s in option_specs() if s.name == name)
         return getattr(self if spec.group is None else getattr(self, spec.group), spec.attr)
@@ -356,7 +356,7 @@ class ConvertConfig(_Checked):
         """The flags (and values) of every repeated option that differs from its default."""
         args: list[str] = []
         for spec in option_specs():
-            value = self.option(spec.name)
+            value = self.value_of(spec.name)
             if spec.repeated and value != spec.default:
                 args += [spec.flag] if isinstance(value, bool) else [spec.flag, str(value)]
         return args

@@ -36,7 +36,7 @@ def test_convert_takes_a_whole_config_too(raw, tmp_path) -> None:
     config = dlpipe.ConvertConfig(
         raw=raw, to="wds", out=str(tmp_path / "w"), shards=ShardConfig(val_fraction=0.5)
     )
-    assert config.option("val_fraction") == 0.5 and config.engine.workers >= 1
+    assert config.value_of("val_fraction") == 0.5 and config.engine.workers >= 1
     result = dlpipe.convert(config)
     assert set(result.manifest.splits) == {"train", "val"}
     with pytest.raises(dlpipe.DlpipeError, match="ConvertConfig alone"):
