@@ -214,3 +214,17 @@ def test_a_wds_state_from_another_batch_size_is_refused_naming_the_field(make_da
     expected = "batch_size=8, this stream order has batch_size=4"
     with pytest.raises(StateMismatchError, match=expected):
         other.load_state_dict(loader.state_dict())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_each_iter_is_a_pass_whether_or_not_a_batch_was_drawn(fmt, workers, make_dataset) -> None:
+    loader = _loader(make_dataset(fmt), num_workers=workers, transform=None)
+    iter(loader)
+    epochs = []
+    for _ in range(2):
+        iterator = iter(loader)
+        epochs.append(loader.state_dict()["epoch"])
+    next(iterator)
+    assert epochs == [1, 2] and loader.state_dict()["epoch"] == 2
+    loader.close()

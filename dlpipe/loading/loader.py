@@ -149,6 +149,10 @@ class PreparedLoader(torch.utils.data.DataLoader):
             return super()._get_iterator()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """One pass: the loaded state's, else the next epoch after a pass begun (each
+        ``iter(loader)`` is a pass, whether or not batches were drawn from the last one)."""
+        if self._pass is not None:
+            self.order.abandon()
         self.order.begin()
         progress = _Pass(self.order)
         inner = super().__iter__()

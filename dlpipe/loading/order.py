@@ -127,6 +127,10 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
             self.epoch, self.start, self.drawn = self.epoch + 1, 0, 0
         self.armed = True
 
+    def abandon(self) -> None:
+        """The pass begun is dropped unfinished: `begin` starts the next epoch."""
+        self.armed = False
+
     def finish(self) -> None:
         """The pass is over: the next one is the next epoch (no-op if already so)."""
         if not self.armed:
@@ -296,6 +300,10 @@ class StreamOrder:
         self.begin()
         self.armed = False
         return self.epoch, self.remaining(self.epoch, self.cursors)
+
+    def abandon(self) -> None:
+        """The pass begun is dropped unfinished: `begin` starts the next epoch."""
+        self.armed = False
 
     def finish(self) -> None:
         """The pass is over: the next one is the next epoch (no-op if already so)."""
