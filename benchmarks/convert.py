@@ -37,8 +37,9 @@ for another's write-back and the disk holds the corpus plus one output at a time
 is the median of 3 repeats (1 with ``--quick``).
 
 Run from the repository root, in the venv where dlpipe is installed; at the default 20,000
-images it takes about 10 minutes on 2 quiet cores (plus about 12 the first time, to make the
-corpus) and needs about 4.5 GB free under /tmp::
+images it takes about 14 minutes on 2 quiet cores with 3 repeats (about 9 with ``--repeats
+2``; plus about 10 the first time, to make the corpus) and needs about 4.5 GB free under /tmp
+(the 2 GB corpus and one output at a time)::
 
     python benchmarks/convert.py                  # writes benchmarks/results/convert.{json,md}
     python benchmarks/convert.py --quick          # 200 images, 1 repeat: convert_quick.*
