@@ -1,24 +1,42 @@
 """Sample → (uint8 CHW image tensor, label): decode and crop on uint8, float only on the device.
 
 JPEG, PNG and WebP decode through ``torchvision.io.decode_image`` (libjpeg-turbo) straight to
-RGB tensors; anything it refuses (CMYK, odd PNG modes) falls back to Pillow, so every image
+RGB tensors; anything it refuses (odd PNG modes, ...) falls back to Pillow, so every image
 kind gives the same result type. The ``train`` recipe is RandomResizedCrop + horizontal flip,
 ``eval`` is resize to ``image_size / 0.875`` + centre crop (torchvision's reference recipes),
 both torchvision.transforms.v2 on uint8 tensors. Augmentation randomness is seeded per
 (seed, epoch, sample index), so a resumed or re-sharded run augments every sample the same way.
 Every decode is preceded by the pixel limit's header check (`dlpipe.codecs.check_image_pixels`):
 an image over it is an `ImageTooLargeError`, before any decoder allocates for it.
+
+**The train recipe decodes only what the crop needs** (``decode="crop"``, the default).
+RandomResizedCrop's box depends on the image size alone, which the header gives, so the box is
+drawn first (torchvision's own ``v2.RandomResizedCrop.make_params``, from the same seeded
+generator, so the box and the flip are the ones the full-decode path draws), then a YCbCr or
+greyscale JPEG is decoded by simplejpeg (libjpeg-turbo) at the largest DCT scale 1/k
+(k in 1, 2, 4, 8) that keeps the box at least ``image_size`` on both sides, the box is mapped
+into the scaled image (libjpeg's scaled pixel i covers full pixels [i*k, (i+1)*k)), cropped and
+resized (bilinear, antialiased) and flipped. The pixels differ from the full-decode path's by
+interpolation error only. CMYK/YCCK JPEGs, other image kinds, or no simplejpeg: the box is
+cropped from today's full decode. EXIF orientation is ignored on both paths (as
+``decode_image`` does by default). ``decode="full"`` keeps the old path whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as tvf
+
+try:  # libjpeg-turbo with DCT scaling; without it the train crop comes from a full decode
+    import simplejpeg
+except ImportError:  # pragma: no cover - simplejpeg is a dependency; the fallback is tested
+    simplejpeg = None
 
 from dlpipe.codecs import (
     IMAGE_EXTENSIONS,
@@ -31,9 +49,14 @@ from dlpipe.errors import FieldDecodeError
 from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = [
+    "DCT_FACTORS",
+    "DECODE_MODES",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "CropBox",
     "ImageTransform",
+    "dct_factor",
+    "decode_jpeg_scaled",
     "decode_rgb",
     "image_field",
     "normalize",
@@ -41,6 +64,18 @@ __all__ = [
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+DECODE_MODES = ("crop", "full")
+DCT_FACTORS = (8, 4, 2, 1)  # libjpeg's power-of-two DCT scales, largest first
+_SCALABLE_COLORSPACES = frozenset({"YCbCr", "Gray"})  # CMYK/YCCK: Pillow's conversion, full
+
+
+class CropBox(NamedTuple):
+    """A crop in pixels of the full-size image (torchvision's ``make_params`` order)."""
+
+    top: int
+    left: int
+    height: int
+    width: int
 
 
 def decode_rgb(data: bytes, max_pixels: int | None = None) -> torch.Tensor:
@@ -73,6 +108,49 @@ def decode_rgb(data: bytes, max_pixels: int | None = None) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
+def dct_factor(box_width: int, box_height: int, size: int) -> int:
+    """The largest DCT scale divisor k in `DCT_FACTORS` that keeps a box of `box_width` x
+    `box_height` full-size pixels at least `size` pixels on both sides at scale 1/k (1: none)."""
+    for factor in DCT_FACTORS:
+        if box_width >= factor * size and box_height >= factor * size:
+            return factor
+    return 1
+
+
+def decode_jpeg_scaled(data: bytes, factor: int) -> torch.Tensor | None:
+    """A YCbCr or greyscale JPEG decoded at DCT scale 1/`factor`: uint8 (3, ceil(H/k), ceil(W/k)).
+
+    Call it after `dlpipe.codecs.check_image_pixels`: it does not check the pixel limit.
+    Returns None when simplejpeg is not installed, the bytes are not such a JPEG (CMYK and YCCK
+    JPEGs convert to RGB as Pillow does on the full path), or libjpeg-turbo refuses them here
+    (the full path then names the error).
+    """
+    if simplejpeg is None or not data.startswith(b"\xff\xd8"):
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        if colorspace not in _SCALABLE_COLORSPACES:
+            return None
+        shape = (-(-height // factor), -(-width // factor))  # libjpeg rounds scaled sizes up
+        array = simplejpeg.decode_jpeg(
+            data, colorspace="RGB", min_height=shape[0], min_width=shape[1]
+        )
+    except ValueError:
+        return None
+    if array.shape[:2] != shape:  # another of libjpeg's M/8 scales fit (tiny images only)
+        return None
+    return torch.from_numpy(array).permute(2, 0, 1)
+
+
+def _scaled_box(box: CropBox, factor: int, height: int, width: int) -> CropBox:
+    """`box` in an image decoded at scale 1/`factor` (`height` x `width`), at least 1 px."""
+    top = min(round(box.top / factor), height - 1)
+    left = min(round(box.left / factor), width - 1)
+    bottom = min(max(round((box.top + box.height) / factor), top + 1), height)
+    right = min(max(round((box.left + box.width) / factor), left + 1), width)
+    return CropBox(top, left, bottom - top, right - left)
+
+
 def image_field(fields: list[str] | tuple[str, ...]) -> str:
     """The dataset's image field (the first whose extension is an image type)."""
     for name in fields:
@@ -82,21 +160,46 @@ def image_field(fields: list[str] | tuple[str, ...]) -> str:
 
 
 class ImageTransform:
-    """Picklable per-sample transform for DataLoader workers (fork or spawn)."""
+    """Picklable per-sample transform for DataLoader workers (fork or spawn).
+
+    Args:
+        recipe: ``train`` (RandomResizedCrop + flip) or ``eval`` (resize + centre crop).
+        image_size: the output side in pixels.
+        field: the sample's image field.
+        seed: the augmentation seed (with the epoch and the sample index).
+        min_scale: the smallest train crop's share of the image area.
+        decode: ``crop`` (train: decode only what the crop needs) or ``full`` (decode the
+            whole image, then crop: the reference path). Eval always decodes in full.
+    """
 
     def __init__(
-        self, recipe: str, image_size: int, field: str, seed: int = 0, min_scale: float = 0.08
+        self,
+        recipe: str,
+        image_size: int,
+        field: str,
+        seed: int = 0,
+        min_scale: float = 0.08,
+        decode: str = "crop",
     ) -> None:
         if recipe not in ("train", "eval"):
             raise ValueError(f"transform {recipe!r} must be 'train', 'eval', None or a callable")
         if not 0 < min_scale <= 1:
             raise ValueError(f"min_scale {min_scale} must be in (0, 1]: the smallest crop's area")
+        if decode not in DECODE_MODES:
+            raise ValueError(
+                f"decode {decode!r} must be one of {', '.join(DECODE_MODES)}: 'crop' decodes "
+                "only what the train crop needs, 'full' the whole image"
+            )
         self.recipe, self.image_size, self.field, self.seed = recipe, image_size, field, seed
-        self.min_scale = min_scale
+        self.min_scale, self.decode = min_scale, decode
         self.max_pixels = max_image_pixels()  # carried into spawned workers with the transform
-        self._ops: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._ops: v2.Compose | None = None
 
     def ops(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The recipe as torchvision v2 ops on a fully decoded image (the ``full`` path)."""
+        return self._compose()
+
+    def _compose(self) -> v2.Compose:
         if self._ops is None:
             size = self.image_size
             if self.recipe == "train":
@@ -109,24 +212,49 @@ class ImageTransform:
             self._ops = v2.Compose(steps)
         return self._ops
 
+    def sample_box(self, width: int, height: int) -> CropBox:
+        """A train crop box for a `width` x `height` image, drawn from torch's default generator
+        exactly as ``v2.RandomResizedCrop`` draws it (its own ``make_params``)."""
+        crop = self._compose().transforms[0]
+        params = crop.make_params([torch.empty(()).expand(3, height, width)])
+        return CropBox(params["top"], params["left"], params["height"], params["width"])
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_ops": None}
 
     def __call__(self, sample: Sample, epoch: int = 0, index: int = 0) -> tuple[torch.Tensor, int]:
+        data = bytes(sample[self.field])  # type: ignore[arg-type]
         try:
-            image = decode_rgb(bytes(sample[self.field]), self.max_pixels)  # type: ignore[arg-type]
+            if self.recipe == "train":
+                with torch.random.fork_rng(devices=[]):
+                    key = np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0]
+                    # the CPU generator only: torch.manual_seed also queues CUDA/XPU/MTIA seeding,
+                    # formatting a stack trace each time (a third of the loader's time)
+                    torch.default_generator.manual_seed(int(key))
+                    image = self._train(data)
+            else:
+                image = self.ops()(decode_rgb(data, self.max_pixels))
         except FieldDecodeError as exc:  # name the sample: the error surfaces far from here
             key = sample.get(KEY_FIELD, "?")
             raise type(exc)(f"sample {key!r} field {self.field!r}: {exc}") from None
         label = int(bytes(sample["cls"])) if "cls" in sample else -1  # type: ignore[arg-type]
-        if self.recipe == "train":
-            with torch.random.fork_rng(devices=[]):
-                key = np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0]
-                # the CPU generator only: torch.manual_seed also queues CUDA/XPU/MTIA seeding,
-                # formatting a stack trace each time (a third of the loader's time)
-                torch.default_generator.manual_seed(int(key))
-                return self.ops()(image), label
-        return self.ops()(image), label
+        return image, label
+
+    def _train(self, data: bytes) -> torch.Tensor:
+        """RandomResizedCrop + flip under the seeded generator: box, decode, crop, flip."""
+        if self.decode == "full":
+            return self.ops()(decode_rgb(data, self.max_pixels))
+        width, height = check_image_pixels(data, self.max_pixels)
+        box = self.sample_box(width, height)
+        factor = dct_factor(box.width, box.height, self.image_size)
+        image = decode_jpeg_scaled(data, factor)
+        if image is None:
+            image, factor = decode_rgb(data, self.max_pixels), 1
+        top, left, box_h, box_w = _scaled_box(box, factor, image.shape[-2], image.shape[-1])
+        size = [self.image_size, self.image_size]
+        crop = tvf.resized_crop(image, top, left, box_h, box_w, size, antialias=True)
+        crop = tvf.horizontal_flip(crop) if torch.rand(1) < 0.5 else crop  # v2's draw
+        return crop.contiguous()
 
     def __repr__(self) -> str:
         return f"ImageTransform({self.recipe!r}, image_size={self.image_size})"
