@@ -203,7 +203,7 @@ def markdown(result: dict[str, Any]) -> str:
         "Samples per CPU-second (higher is better); crop-aware rows decode at DCT scale 1/k.",
         "",
         "| corpus | output | " + " | ".join(names) + " | dlpipe crop / full | crops at 1/2+ |"
-        " mean abs diff (of 255) |",
+        " scaled crops: mean abs diff (of 255) |",
         "|---|---|" + "---|" * len(names) + "---|---|---|",
     ]
     for row in result["corpora"]:
