@@ -1,9 +1,12 @@
 """The loading room: prepared datasets to resumable batches, tuned for this machine.
 
 - `dataset`: format-agnostic dataset views (`open_dataset`, `MapDataset`, `StreamDataset`);
+- `config`: `LoaderConfig` (what the batches are) and `WorkerSettings` (how fast they come);
 - `order`: the sample order of an epoch per rank and worker, and its resumable state;
+- `views`: the datasets a DataLoader's workers run (transform, batching, shard tags);
+- `state`: the `Stateful` protocol every resumable part follows;
 - `transforms`: decoders and the uint8 image transforms, `normalize` on the device;
-- `loader`: `make_loader`, the resumable DataLoader;
+- `loader`: `make_loader` and `PreparedLoader`, the resumable DataLoader;
 - `profile`: saved worker settings per dataset, machine and loader config;
 - `tune`: `bench-loader`'s stage measurements and worker search.
 

@@ -34,7 +34,6 @@ import enum
 import os
 import signal
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -377,15 +376,9 @@ def make_loader(
             drop_last=drop_last,
             block=batch_size,
         )
-        return _quiet_loader(MapView(dataset, fn), sampler=sampler, **options)
+        return PreparedLoader(MapView(dataset, fn), sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
     view = StreamView.build(
         dataset, fn, shuffle=shuffle, seed=seed, batch_size=batch_size, drop_last=drop_last
     )
-    return _quiet_loader(view, **options)
-
-
-def _quiet_loader(dataset: Any, **options: Any) -> PreparedLoader:
-    with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch API on creation
-        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-        return PreparedLoader(dataset, **options)
+    return PreparedLoader(view, **options)
