@@ -59,6 +59,14 @@ def test_loader_example_runs_on_the_demo_output(demo_cwd) -> None:
     assert "torch.Size([64, 3, 64, 64])" in done.stdout
 
 
+def test_loader_config_example_runs_on_the_demo_output(demo_cwd) -> None:
+    block = _blocks("python")[3]
+    assert "LoaderConfig(" in block and "WorkerSettings(" in block
+    done = _run([sys.executable, "-c", block], demo_cwd)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(", 3, 64, 64])")
+
+
 def test_ten_line_training_loop_runs_on_the_demo_output(demo_cwd) -> None:
     done = _run([sys.executable, "-c", _blocks("python")[0]], demo_cwd)
     assert done.returncode == 0, done.stderr
