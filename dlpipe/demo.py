@@ -40,6 +40,10 @@ DEMO_MINUTES = 3  # the whole default demo on 2 CPU cores (benchmarks/demo.py me
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
+    """What ``dlpipe demo`` runs. The defaults are the measured recipe: 8 epochs of `shapes_cnn`
+    at 40 px, AdamW at 5e-3, give about 95 % val top-1 (seeds 0 and 1) in about
+    `DEMO_MINUTES` on 2 CPU cores."""
+
     out: str
     per_class: int = 400
     seed: int = 0
