@@ -209,7 +209,7 @@ class SourceConfig(_Checked):
     )
     key_col: str | None = option(
         "the table column whose values become sample keys (default: a __key__, key or id "
-        "column when there is one)",
+        "column, else keys from the image paths or row numbers)",
         default=None,
     )
     keep_empty_classes: bool = option(
