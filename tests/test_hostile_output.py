@@ -177,10 +177,14 @@ def test_an_overwrite_killed_half_way_still_knows_which_shards_were_dlpipes(
 
     monkeypatch.setattr(storage, "remove", killed_after_three)
     with pytest.raises(KeyboardInterrupt):
-        engine.convert(ConvertConfig.from_options(raw=str(raw), to="wds", out=str(out), overwrite=True))
+        engine.convert(
+            ConvertConfig.from_options(raw=str(raw), to="wds", out=str(out), overwrite=True)
+        )
     monkeypatch.setattr(storage, "remove", real_remove)
     assert not (out / "dlpipe.json").exists()
-    config = ConvertConfig.from_options(raw=str(raw), to="wds", out=str(out), overwrite=True, workers=1)
+    config = ConvertConfig.from_options(
+        raw=str(raw), to="wds", out=str(out), overwrite=True, workers=1
+    )
     engine.convert(config)
     assert_kept(out, USER_FILES)
     expected = {"dlpipe.json", "train-000000.tar", storage.LOCK_NAME, *USER_FILES}
@@ -476,7 +480,9 @@ def test_shortened_keys_are_listed_in_keys_jsonl(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(engine, "open_source", lambda raw, kind, options: ShortenedKeys(raw))
     (tmp_path / "raw").mkdir()
     out = tmp_path / "out"
-    result = engine.convert(ConvertConfig.from_options(raw=str(tmp_path / "raw"), to="wds", out=str(out)))
+    result = engine.convert(
+        ConvertConfig.from_options(raw=str(tmp_path / "raw"), to="wds", out=str(out))
+    )
     lines = (out / "keys.jsonl").read_bytes().decode("utf-8").splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["key"] for r in records] == ["k0", "k2", "k4"]  # sorted by key
@@ -586,7 +592,9 @@ def _interrupted(raw: Path, out: Path, **options) -> None:
     def stop(result) -> None:
         raise KeyboardInterrupt
 
-    config = ConvertConfig.from_options(raw=str(raw), out=str(out), shard_bytes=1, workers=1, **options)
+    config = ConvertConfig.from_options(
+        raw=str(raw), out=str(out), shard_bytes=1, workers=1, **options
+    )
     with pytest.raises(KeyboardInterrupt):
         engine.convert(config, on_progress=stop)
     assert not (out / "dlpipe.json").exists()
@@ -635,7 +643,9 @@ def test_the_printed_commands_are_complete_and_work(tmp_path, capsys) -> None:
 
 def test_an_interrupted_conversion_names_the_command_that_finishes_it(tmp_path) -> None:
     raw, out = make_raw(tmp_path / "my raw", per_class=4), tmp_path / "out"
-    config = ConvertConfig.from_options(raw=str(raw), to="lmdb", out=str(out), workers=1, shard_bytes=1 << 20)
+    config = ConvertConfig.from_options(
+        raw=str(raw), to="lmdb", out=str(out), workers=1, shard_bytes=1 << 20
+    )
 
     def stop(result) -> None:
         raise KeyboardInterrupt  # the first shard is journalled, then the run dies
@@ -657,7 +667,9 @@ def test_convert_workers_are_spawned_with_stop_signals_blocked(tmp_path, spawn_m
     resource tracker multiprocessing starts with the pool unblocks them, which broke this once."""
     raw = make_raw(tmp_path / "raw", per_class=2)
     out = tmp_path / "out"
-    config = ConvertConfig.from_options(raw=str(raw), to="wds", out=str(out), workers=2, shard_bytes=1)
+    config = ConvertConfig.from_options(
+        raw=str(raw), to="wds", out=str(out), workers=2, shard_bytes=1
+    )
     engine.convert(config)
     assert spawn_masks, "no worker process was spawned"
     assert all({signal.SIGINT, signal.SIGTERM} <= mask for mask in spawn_masks), spawn_masks

@@ -59,6 +59,14 @@ def test_loader_example_runs_on_the_demo_output(demo_cwd) -> None:
     assert "torch.Size([64, 3, 64, 64])" in done.stdout
 
 
+def test_convert_api_example_runs_on_the_demo_output(demo_cwd) -> None:
+    block = _blocks("python")[4]
+    assert "dlpipe.convert(" in block
+    done = _run([sys.executable, "-c", block], demo_cwd)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("shapes-lmdb ") and done.stdout.strip().endswith(" s")
+
+
 def test_loader_config_example_runs_on_the_demo_output(demo_cwd) -> None:
     block = _blocks("python")[3]
     assert "LoaderConfig(" in block and "WorkerSettings(" in block
