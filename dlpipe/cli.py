@@ -105,13 +105,13 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
-    from dlpipe.demo import DEMO_MINUTES, DemoConfig
+    from dlpipe.demo import DEMO_TIME, DemoConfig
 
     defaults = DemoConfig(out="")
     demo = sub.add_parser(
         "demo",
-        help=f"run dlpipe end to end on the embedded shapes dataset (about {DEMO_MINUTES} "
-        "minutes on 2 CPU cores)",
+        help=f"run dlpipe end to end on the embedded shapes dataset (about {DEMO_TIME} "
+        "on 2 CPU cores)",
     )
     demo.add_argument(
         "--out", help="folder for the demo (default: $DLPIPE_DATA_DIR/dlpipe-demo or ./dlpipe-demo)"

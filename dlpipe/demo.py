@@ -8,7 +8,7 @@ the tuned loader settings and verdict, the final validation top-1, and where the
 confusion matrix, TensorBoard logs and checkpoints are. The loading room and the trainer are
 imported inside the functions that use them, so importing this module imports neither.
 
-It takes about 3 minutes on 2 CPU cores (most of it training) and reaches about 95 % val top-1.
+It takes about a minute on 2 CPU cores (about half of it training) and reaches about 95 % val top-1.
 """
 
 from __future__ import annotations
@@ -31,18 +31,18 @@ from dlpipe.machine import usable_cpus
 from dlpipe.synthetic import SHAPE_CLASSES, split_samples, write_imagefolder
 from dlpipe.verify import verify_dataset
 
-__all__ = ["DEMO_MINUTES", "DemoConfig", "default_demo_dir", "run_demo", "shapes_cnn"]
+__all__ = ["DEMO_TIME", "DemoConfig", "default_demo_dir", "run_demo", "shapes_cnn"]
 
 _MARKER = ".dlpipe-demo"
 TRAIN_FORMAT = "lmdb"  # the one the demo tunes and trains on; every format would do
-DEMO_MINUTES = 3  # the whole default demo on 2 CPU cores (benchmarks/demo.py measures it)
+DEMO_TIME = "1 minute"  # the whole default demo on 2 CPU cores (benchmarks/demo.py: 49 s)
 
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     """What ``dlpipe demo`` runs. The defaults are the measured recipe: 8 epochs of `shapes_cnn`
     at 40 px, AdamW at 5e-3, give about 95 % val top-1 (seeds 0 and 1) in about
-    `DEMO_MINUTES` on 2 CPU cores."""
+    `DEMO_TIME` on 2 CPU cores."""
 
     out: str
     per_class: int = 400
@@ -99,7 +99,7 @@ def run_demo(config: DemoConfig, console: Console) -> int:
     out = config.out
     _prepare(out)
     console.print(
-        f"dlpipe demo → {escape(os.path.abspath(out))} (about {DEMO_MINUTES} minutes on 2 CPU "
+        f"dlpipe demo → {escape(os.path.abspath(out))} (about {DEMO_TIME} on 2 CPU "
         "cores with the defaults; --epochs 0 converts and verifies only)"
     )
     raw, train_samples = _generate(config, console)

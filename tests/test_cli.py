@@ -12,7 +12,7 @@ import pytest
 
 import dlpipe
 from dlpipe.cli import main
-from dlpipe.demo import DEMO_MINUTES, DemoConfig
+from dlpipe.demo import DEMO_TIME, DemoConfig
 
 
 def test_inspect_shows_format_splits_fields_and_class_counts(make_dataset, capsys) -> None:
@@ -56,7 +56,7 @@ def test_demo_writes_every_format_and_verifies(tmp_path, capsys) -> None:
         assert dlpipe.verify_dataset(str(out / f"shapes-{fmt}"), decode=True).ok
     assert sum(1 for _ in (out / "raw").rglob("*.jpg")) == 40
     first = printed.splitlines()[0]  # the time, up front
-    assert f"(about {DEMO_MINUTES} minutes on 2 CPU cores with the defaults;" in first
+    assert f"(about {DEMO_TIME} on 2 CPU cores with the defaults;" in first
     assert "8 shape classes" in printed
     assert (
         "tuned the loader" in printed and (out / "shapes-lmdb" / "dlpipe-profiles.json").is_file()
