@@ -102,6 +102,19 @@ def test_dct_factor_is_the_largest_that_keeps_the_box_at_the_output_size() -> No
     assert dct_factor(10, 10, 224) == 1
 
 
+def record_scaled_heights(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ``min_height`` of every simplejpeg decode from now on (the scale it was asked for)."""
+    heights: list[int] = []
+    real = transforms_module.simplejpeg.decode_jpeg
+
+    def recorded(data: bytes, **kwargs: int) -> np.ndarray:
+        heights.append(kwargs["min_height"])
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(transforms_module.simplejpeg, "decode_jpeg", recorded)
+    return heights
+
+
 def box_resized(data: bytes, size: int, like: torch.Tensor) -> torch.Tensor:
     """The whole image resized with Pillow's BOX filter (another standard resampler), in the
     orientation of `like` (the full path's output, flipped or not; Pillow's libjpeg decodes a
@@ -122,14 +135,7 @@ def test_scaled_decode_matches_the_full_decode_within_interpolation_error(
     """A 512 px square with min_scale 1 is cropped whole, so the output size sets the scale.
     The difference from the full path (bilinear, antialiased) is no larger than the one
     between two standard resamplers of the same full decode (bilinear against box)."""
-    asked = []
-    real = transforms_module.simplejpeg.decode_jpeg
-
-    def recorded(data: bytes, **kwargs: int) -> np.ndarray:
-        asked.append(kwargs["min_height"])
-        return real(data, **kwargs)
-
-    monkeypatch.setattr(transforms_module.simplejpeg, "decode_jpeg", recorded)
+    asked = record_scaled_heights(monkeypatch)
     for seed in range(3):
         data = photo(512, 512, seed)
         crop, full = both(data, size, seed, min_scale=1.0)
@@ -293,14 +299,7 @@ def test_make_loader_decodes_train_crops_at_dct_scale(
         for i in range(8)
     ]
     path = write_dataset(tmp_path / "data", "lmdb", {"train": samples})
-    heights = []
-    real = transforms_module.simplejpeg.decode_jpeg
-
-    def recorded(data: bytes, **kwargs: int) -> np.ndarray:
-        heights.append(kwargs["min_height"])
-        return real(data, **kwargs)
-
-    monkeypatch.setattr(transforms_module.simplejpeg, "decode_jpeg", recorded)
+    heights = record_scaled_heights(monkeypatch)
     options = dict(num_workers=0, profile=None, image_size=64, min_crop_scale=1.0, seed=3)
     images, labels = next(iter(dlpipe.make_loader(path, "train", 8, **options)))  # type: ignore[arg-type]
     assert heights == [64] * 8  # 512 px decoded at 1/8
