@@ -5,6 +5,7 @@ the input pipeline, and the summary `Trainer.fit` returns.
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,12 +67,16 @@ def epoch_line(record: dict[str, Any], epochs: int, step: int) -> str:
 
 
 def input_verdict(
-    wait: float, data: str, micro_batch: int, image_size: int, cuda: bool
+    wait: float, data: str, micro_batch: int, image_size: int, min_crop_scale: float, cuda: bool
 ) -> str | None:
-    """Advice when the steps waited for data more than `INPUT_BOUND_SHARE` of the time."""
+    """Advice when the steps waited for data more than `INPUT_BOUND_SHARE` of the time: the
+    ``bench-loader`` command that measures (and keys its profile by) this run's loader config."""
     if wait <= INPUT_BOUND_SHARE:
         return None
-    command = f"dlpipe bench-loader {data} --batch-size {micro_batch} --image-size {image_size}"
+    command = (
+        f"dlpipe bench-loader {shlex.quote(data)} --batch-size {micro_batch} "
+        f"--image-size {image_size} --min-crop-scale {min_crop_scale:g}"
+    )
     return (
         f"input-bound: waiting for data {100 * wait:.0f}% of the time: run {command}"
         + (" --device cuda" if cuda else "")

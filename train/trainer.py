@@ -300,7 +300,8 @@ class Trainer:
         self.console.print(epoch_line(record, self.config.run.epochs, self.counters.step))
         d = self.config.data
         cuda = self.dist.device.type == "cuda"
-        advice = input_verdict(wait, d.path, self.plan.micro_batch, d.image_size, cuda)
+        micro, size, scale = self.plan.micro_batch, d.image_size, d.min_crop_scale
+        advice = input_verdict(wait, d.path, micro, size, scale, cuda)
         if advice:
             self.console.print(f"  {escape(advice)}")
 
