@@ -366,19 +366,11 @@ def make_loader(
     if settings.num_workers > 0:
         options["multiprocessing_context"] = multiprocessing_context
         options["worker_init_fn"] = _ignore_stop_signals
+    placement: dict[str, Any] = {"rank": dataset.rank, "world_size": dataset.world_size}
+    placement |= {"shuffle": shuffle, "seed": seed}
     if isinstance(dataset, MapDataset):
-        sampler = EpochSampler(
-            len(dataset),
-            rank=dataset.rank,
-            world_size=dataset.world_size,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            block=batch_size,
-        )
+        sampler = EpochSampler(len(dataset), drop_last=drop_last, block=batch_size, **placement)
         return PreparedLoader(MapView(dataset, fn), sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
-    view = StreamView.build(
-        dataset, fn, shuffle=shuffle, seed=seed, batch_size=batch_size, drop_last=drop_last
-    )
+    view = StreamView.build(dataset, fn, batch_size=batch_size, drop_last=drop_last, **placement)
     return PreparedLoader(view, **options)

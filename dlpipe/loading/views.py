@@ -78,22 +78,14 @@ class StreamView(torch.utils.data.IterableDataset):
         dataset: StreamDataset,
         transform: Callable[..., Any] | None,
         *,
-        shuffle: bool,
-        seed: int,
         batch_size: int,
         drop_last: bool,
+        **placement: Any,
     ) -> StreamView:
-        """The view of `dataset` for this rank (``drop_last``: equal whole batches per rank)."""
+        """The view of `dataset` for this rank (``drop_last``: equal whole batches per rank);
+        `placement` is the order's rank, world size, shuffle and seed."""
         sizes = [s.samples for s in dataset.manifest.split(dataset.split).shards]
-        order = StreamOrder(
-            sizes,
-            rank=dataset.rank,
-            world_size=dataset.world_size,
-            shuffle=shuffle,
-            seed=seed,
-            batch_size=batch_size,
-            equal_shares=drop_last,
-        )
+        order = StreamOrder(sizes, batch_size=batch_size, equal_shares=drop_last, **placement)
         order.check_ranks(dataset.path, dataset.split)
         return cls(dataset, transform, order, collate)
 
