@@ -1,5 +1,6 @@
-"""What a run reports as it goes: the epoch's running totals, the epoch line, the verdict on
-the input pipeline, and the summary `Trainer.fit` returns.
+"""What a run reports as it goes: the batch plan, the epoch's running totals, the epoch line,
+the verdict on the input pipeline, a micro-batch backoff, an early stop, and the summary
+`Trainer.fit` returns.
 """
 
 from __future__ import annotations
@@ -7,11 +8,28 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
+
+from dlpipe.train.config import BatchPlan
 from dlpipe.train.step import StepResult
 
-__all__ = ["INPUT_BOUND_SHARE", "EpochStats", "RunSummary", "epoch_line", "input_verdict"]
+if TYPE_CHECKING:
+    from dlpipe.train.counters import RunCounters
+
+__all__ = [
+    "INPUT_BOUND_SHARE",
+    "EpochStats",
+    "RunSummary",
+    "backoff_line",
+    "epoch_line",
+    "epoch_values",
+    "input_verdict",
+    "plan_line",
+    "run_summary",
+    "stop_line",
+]
 
 INPUT_BOUND_SHARE = 0.10  # waiting for data more than this share of step time is worth fixing
 
@@ -45,6 +63,19 @@ class RunSummary:
     checkpoint: str | None = None
     best_top1: float | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def epoch_values(stats: EpochStats, lr: float) -> dict[str, Any]:
+    """The epoch's logged values from its running totals (``data_wait``: share of step time)."""
+    total_s = max(stats.busy_s, 1e-9)
+    return {
+        "train_loss": stats.loss_sum / stats.samples if stats.samples else None,
+        "lr": lr,
+        "samples_per_s": stats.samples / total_s,
+        "data_wait": stats.wait_s / total_s,
+        "steps": stats.steps,
+        "epoch_s": stats.busy_s,
+    }
 
 
 def epoch_line(record: dict[str, Any], epochs: int, step: int) -> str:
@@ -81,4 +112,45 @@ def input_verdict(
         f"input-bound: waiting for data {100 * wait:.0f}% of the time: run {command}"
         + (" --device cuda" if cuda else "")
         + " (its verdict names the slow stage; dlpipe train then uses the tuned workers)"
+    )
+
+
+def plan_line(plan: BatchPlan, steps_per_epoch: int) -> str:
+    """``global batch 256 = 2 ranks x micro-batch 64 x 2 accumulation steps; ...``."""
+    ranks = f"{plan.world_size} rank{'s' if plan.world_size > 1 else ''}"
+    return (
+        f"global batch {plan.batch_size} = {ranks} x micro-batch {plan.micro_batch} x "
+        f"{plan.accumulation} accumulation steps; {steps_per_epoch} steps per epoch"
+    )
+
+
+def backoff_line(phase: str, micro_batch: int, accumulation: int, global_batch: int) -> str:
+    """What an out-of-memory backoff changed (rich markup)."""
+    return (
+        f"[yellow]out of memory[/yellow] in {phase}: micro-batch now "
+        f"{micro_batch}, accumulation {accumulation} (global batch {global_batch} "
+        "unchanged); retrying the step"
+    )
+
+
+def stop_line(why: str, signal: str | None, max_steps: int | None, step: int, path: str) -> str:
+    """Why the run stopped early (``signal`` or ``max_steps``) and its checkpoint (markup)."""
+    what = {
+        "signal": f"stopped on {signal or 'a signal'}",
+        "max_steps": f"reached --max-steps {max_steps}",
+    }[why]
+    return f"{what} at step {step}; checkpoint {escape(path)}"
+
+
+def run_summary(run_dir: str, counters: RunCounters, stopped: str, path: str | None) -> RunSummary:
+    """The run's `RunSummary` from its counters; ``path`` is its last checkpoint."""
+    return RunSummary(
+        run_dir=run_dir,
+        epochs_done=counters.epoch,
+        steps=counters.step,
+        stopped=stopped,
+        last_val=counters.history[-1] if counters.history else None,
+        checkpoint=path,
+        best_top1=counters.best_top1,
+        history=counters.history,
     )

@@ -6,8 +6,9 @@
 
 The checkpoint is the sum of the components' ``state_dict()``: model, optimizer, scheduler,
 step runner (GradScaler, micro-batch backoff), every rank's loader position and RNG streams,
-and the trainer's own counters. Every decision that needs all ranks (checkpoint, evaluate,
-stop early, stop on a signal) follows from values all ranks share, so all take it together.
+and the trainer's own counters (`resume` gathers, writes, chooses and restores it). Every
+decision that needs all ranks (checkpoint, evaluate, stop early, stop on a signal) follows from
+values all ranks share, so all take it together; `progress` words what the run prints.
 """
 
 from __future__ import annotations
@@ -28,16 +29,15 @@ from torch import nn
 
 from dlpipe.errors import SplitTooSmallError
 from dlpipe.loading.loader import make_loader
-from dlpipe.loading.state import StateMismatchError
 from dlpipe.train import checkpoint as ckpt
-from dlpipe.train import preflight, runfolder
+from dlpipe.train import preflight, progress, resume, runfolder
 from dlpipe.train.config import TrainConfig, plan_batches, to_toml
 from dlpipe.train.counters import EarlyStopping, RunCounters
 from dlpipe.train.distributed import init_distributed, watch_parent
 from dlpipe.train.metrics import EvalResult
-from dlpipe.train.models import build_model, unwrap
+from dlpipe.train.models import build_model
 from dlpipe.train.optim import build_optimizer, build_scheduler
-from dlpipe.train.progress import EpochStats, RunSummary, epoch_line, input_verdict
+from dlpipe.train.progress import RunSummary
 from dlpipe.train.reporting import RunLogger
 from dlpipe.train.signals import StopSignals
 from dlpipe.train.step import StepResult, StepRunner, TrainingError, resolve_precision
@@ -137,6 +137,19 @@ class Trainer:
             wandb_project=r.wandb,
             config=self.config.to_dict(),
         )
+        self.parts = resume.RunParts(
+            model=model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            runner=self.runner,
+            counters=self.counters,
+            early_stop=self.early_stop,
+            train_loader=self.train_loader,
+            dist=self.dist,
+            plan=self.plan,
+            classes=self.classes,
+            config=self.config,
+        )
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -176,7 +189,7 @@ class Trainer:
     def fit(self) -> RunSummary:
         """Resume if asked, train to the end (or a stop), evaluate each epoch; collective."""
         self._announce()
-        self._resume()
+        resume.resume(self.parts, self.console, self._log(), self.manifest)
         r = self.config.run
         if self.counters.epoch >= r.epochs:
             self.console.print(
@@ -268,25 +281,16 @@ class Trainer:
 
     def _end_epoch(self, result: EvalResult | None) -> bool:
         """Report the epoch, update early stopping; returns True to stop early."""
-        s = self.counters.stats
-        total_s = max(s.busy_s, 1e-9)
-        wait = s.wait_s / total_s
-        values: dict[str, Any] = {
-            "train_loss": s.loss_sum / s.samples if s.samples else None,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "samples_per_s": s.samples / total_s,
-            "data_wait": wait,
-            "steps": s.steps,
-            "epoch_s": s.busy_s,
-        }
+        lr = self.optimizer.param_groups[0]["lr"]
+        values = progress.epoch_values(self.counters.stats, lr)
         self._log().epoch(self.counters.epoch, self.counters.step, values, result)
         record = {"epoch": self.counters.epoch + 1, **values}
         if result is not None:
             record.update(val_loss=result.loss, top1=result.top1, top5=result.top5)
         self.counters.history.append(record)
-        self._print_epoch(record, wait)
+        self._print_epoch(record, values["data_wait"])
         self.counters.epoch += 1
-        self.counters.stats = EpochStats()
+        self.counters.stats = progress.EpochStats()
         return result is not None and self.early_stop.update(result.loss)
 
     def _is_best(self, result: EvalResult | None) -> bool:
@@ -297,117 +301,34 @@ class Trainer:
         return True
 
     def _print_epoch(self, record: dict[str, Any], wait: float) -> None:
-        self.console.print(epoch_line(record, self.config.run.epochs, self.counters.step))
+        self.console.print(progress.epoch_line(record, self.config.run.epochs, self.counters.step))
         d = self.config.data
         cuda = self.dist.device.type == "cuda"
         micro, size, scale = self.plan.micro_batch, d.image_size, d.min_crop_scale
-        advice = input_verdict(wait, d.path, micro, size, scale, cuda)
+        advice = progress.input_verdict(wait, d.path, micro, size, scale, cuda)
         if advice:
             self.console.print(f"  {escape(advice)}")
 
-    # ---- checkpoints ---------------------------------------------------------------------
+    # ---- checkpoints (`resume`) ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The shared part of a checkpoint (every rank's own part is gathered in `_save`)."""
-        return {
-            "step": self.counters.step,
-            "epoch": self.counters.epoch,
-            "model": ckpt.strip_prefixes(unwrap(self.model).state_dict()),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "runner": self.runner.state_dict(),
-            "trainer": self.counters.state_dict(),
-            "early_stop": self.early_stop.state_dict(),
-            "world_size": self.dist.world_size,
-            "global_batch": self.plan.batch_size,
-            "classes": self.classes,
-            "config": self.config.to_dict(),
-        }
+        return resume.shared_state(self.parts)
 
     def load_state_dict(self, state: dict[str, Any], path: str = "the checkpoint") -> None:
-        """Restore a whole checkpoint (`_save`'s, every rank's part in ``ranks``), on the same
-        or, for lmdb and hdf5, another world size (`preflight.check_checkpoint` first).
-
-        On the same world size each rank takes its own loader position and RNG streams. On
-        another one the loader position is the run's global one (every saved rank holds it:
-        samples consumed over all ranks), and each rank's RNG streams are seeded afresh from
-        (seed, step, rank): the saved ranks are not this run's, and augmentation does not use
-        them (it is seeded per sample by seed, epoch and index).
-        """
-        unwrap(self.model).load_state_dict(ckpt.strip_prefixes(state["model"]))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.runner.load_state_dict(state["runner"])
-        self.counters.load_state_dict(state["trainer"])
-        self.early_stop.load_state_dict(state["early_stop"])
-        ranks = state["ranks"]
-        same_ranks = len(ranks) == self.dist.world_size
-        mine = ranks[self.dist.rank] if same_ranks else ranks[0]
-        try:
-            self.train_loader.load_state_dict(mine["loader"])
-        except StateMismatchError as exc:
-            raise ckpt.CheckpointError(
-                f"checkpoint {path} cannot continue this run's data: {exc}"
-            ) from None
-        if same_ranks:
-            ckpt.set_rng_state(mine["rng"])
-        else:
-            ckpt.reseed_rng(self.config.run.seed, self.counters.step, self.dist.rank)
+        """Restore a whole checkpoint, on the same or another world size (`resume.restore`)."""
+        resume.restore(self.parts, state, path)
 
     def _save(self, reason: str, *, best: bool = False) -> str:
-        """Collective: gather every rank's loader and RNG state; rank 0 writes. A stop signal
-        meanwhile only asks to stop: the checkpoint is always finished."""
+        """Collective (`resume.save`). A stop signal meanwhile only asks to stop: the
+        checkpoint is always finished."""
         with self.signals.protect():
             self.phase = f"the checkpoint of step {self.counters.step}"
-            mine = {"loader": self.train_loader.state_dict(), "rng": ckpt.rng_state()}
-            ranks = self.dist.all_gather(mine, what=f"gathering {self.phase}")
-            path = ckpt.step_path(self.run_dir, self.counters.step)
-            if self.dist.is_main:
-                state = {**self.state_dict(), "ranks": ranks, "reason": reason}
-                path = ckpt.save_checkpoint(self.run_dir, state, best=best)
-                ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_last, newest=path)
-                self._log().event("checkpoint", step=self.counters.step, path=path, reason=reason)
-            self.dist.barrier(what=f"waiting for rank 0 to write {self.phase}")
-        return path
+            return resume.save(self.parts, self._log(), reason, best=best, phase=self.phase)
 
     def _log(self) -> RunLogger:
         assert self.logger is not None
         return self.logger
-
-    def _resume(self) -> None:
-        """Load the checkpoint --resume names (auto: the newest that loads); collective."""
-        path, state = self.dist.on_main(
-            "choosing the checkpoint to resume from",
-            lambda: runfolder.choose_checkpoint(self.config, self.console),
-            share=lambda found: (found[0], None),  # the path: each rank loads its own copy
-        )
-        if path is None:
-            return
-        state = state if state is not None else ckpt.load_checkpoint(path)
-        preflight.check_checkpoint(
-            state,
-            path,
-            unwrap(self.model),
-            self.optimizer,
-            self.config,
-            self.manifest,
-            self.dist.world_size,
-        )
-        saved_ranks = int(state["world_size"])
-        self.load_state_dict(state, path)
-        del state  # a copy of every weight
-        if self.dist.is_main:
-            runfolder.set_aside_newer(self.config, self.counters.step, self.console)
-        c = self.counters
-        moved = ""
-        if saved_ranks != self.dist.world_size:
-            moved = f", saved by {saved_ranks} ranks, now on {self.dist.world_size}"
-        self.console.print(
-            f"resumed from {escape(path)} (step {c.step}, epoch {c.epoch + 1}{moved})"
-        )
-        self._log().event(
-            "resume", step=c.step, epoch=c.epoch, path=path, saved_world_size=saved_ranks
-        )
 
     # ---- signals, messages ---------------------------------------------------------------
 
@@ -415,31 +336,25 @@ class Trainer:
         self.runner.stop_requested = True
 
     def _explain_stop(self, why: str, path: str) -> None:
-        resume = runfolder.resume_command(self.run_dir, self.dist.world_size)
-        what = {
-            "signal": f"stopped on {self.signals.name or 'a signal'}",
-            "max_steps": f"reached --max-steps {self.config.run.max_steps}",
-        }[why]
-        self.console.print(f"{what} at step {self.counters.step}; checkpoint {escape(path)}")
-        self.console.print(f"resume with: {escape(resume)}")
-        self._log().event("stop", reason=why, step=self.counters.step, path=path)
+        resume_command = runfolder.resume_command(self.run_dir, self.dist.world_size)
+        step, max_steps = self.counters.step, self.config.run.max_steps
+        self.console.print(progress.stop_line(why, self.signals.name, max_steps, step, path))
+        self.console.print(f"resume with: {escape(resume_command)}")
+        self._log().event("stop", reason=why, step=step, path=path)
 
     def _backed_off(self, micro_batch: int) -> None:
         accumulation = self.plan.accumulation * self.runner.splits
+        global_batch = self.plan.batch_size
         self.console.print(
-            f"[yellow]out of memory[/yellow] in {self.phase}: micro-batch now "
-            f"{micro_batch}, accumulation {accumulation} (global batch {self.plan.batch_size} "
-            "unchanged); retrying the step"
+            progress.backoff_line(self.phase, micro_batch, accumulation, global_batch)
         )
+        step = self.counters.step + 1
         self._log().event(
-            "oom_backoff",
-            step=self.counters.step + 1,
-            micro_batch=micro_batch,
-            accumulation=accumulation,
+            "oom_backoff", step=step, micro_batch=micro_batch, accumulation=accumulation
         )
 
     def _announce(self) -> None:
-        p, d = self.plan, self.config.data
+        d = self.config.data
         text = to_toml(self.config)
         if self.dist.is_main:  # what the printed resume command reads
             runfolder.write_resume_config(self.config)
@@ -448,11 +363,7 @@ class Trainer:
         params = sum(t.numel() for t in self.model.parameters())
         if self.show_config:
             self.console.print(text.rstrip(), markup=False)
-        self.console.print(
-            f"global batch {p.batch_size} = {p.world_size} rank{'s' if p.world_size > 1 else ''} "
-            f"x micro-batch {p.micro_batch} x "
-            f"{p.accumulation} accumulation steps; {self.steps_per_epoch} steps per epoch"
-        )
+        self.console.print(progress.plan_line(self.plan, self.steps_per_epoch))
         self.console.print(
             f"model {escape(self.config.model.name)} ({params:,} parameters, "
             f"{len(self.classes)} classes) on {self.dist.device}, precision "
@@ -461,17 +372,7 @@ class Trainer:
         )
 
     def _summary(self, stopped: str, path: str | None) -> RunSummary:
-        last = self.counters.history[-1] if self.counters.history else None
-        return RunSummary(
-            run_dir=self.run_dir,
-            epochs_done=self.counters.epoch,
-            steps=self.counters.step,
-            stopped=stopped,
-            last_val=last,
-            checkpoint=path,
-            best_top1=self.counters.best_top1,
-            history=self.counters.history,
-        )
+        return progress.run_summary(self.run_dir, self.counters, stopped, path)
 
     def close(self) -> None:
         """End the loader workers, close the logs, release the run folder and the process
