@@ -69,11 +69,25 @@ def run_local(
                 if interrupted():
                     raise KeyboardInterrupt
         except BrokenProcessPool:
+            _kill_workers(pool)
             raise _worker_died(config.out) from None
         finally:
             # the pool's own thread cancels what has not started: a future cancelled from
             # here races a worker crash in Python 3.11 (InvalidStateError, gh-107219)
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL the workers left in a broken pool.
+
+    A worker killed while it held the result queue's lock leaves the others blocked on that
+    lock for ever; the pool's own clean-up only sends SIGTERM, which the workers ignore (see
+    `worker_init`), and then waits for them, so its shutdown would hang.
+    """
+    processes = getattr(pool, "_processes", None) or {}
+    for process in list(processes.values()):
+        with contextlib.suppress(OSError, ValueError):
+            process.kill()
 
 
 @contextlib.contextmanager
