@@ -71,6 +71,8 @@ from typing import Any
 import PIL
 from PIL import features
 
+from dlpipe.machine import usable_cpus
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import dlpipe_executable, write_results  # sibling scripts
 from convert_jobs import (
@@ -378,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         return litdata_main(argv[1], argv[2], int(argv[3]))
     args = parse_args(argv)
     started = time.perf_counter()
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     root, corpus = cached_corpus(args.corpus, args.n, args.seed)
     print(f"corpus {root} ({'reused' if corpus['reused'] else 'made'})", file=sys.stderr)
     if args.work:

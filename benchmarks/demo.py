@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from dlpipe.machine import usable_cpus
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import dlpipe_executable, generated_line, log, met, write_results  # siblings
 from machine import machine_info
@@ -74,9 +76,7 @@ def run_demo(out: Path) -> dict[str, Any]:
         "total_s": total,
         "cpu_s": cpu_s,
         "load_5min": load_5min,
-        "cpus": len(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else os.cpu_count(),
+        "cpus": usable_cpus(),
         "stage_done_at_s": stages,
         "epochs": len(epochs),
         "top1": epochs[-1]["top1"],

@@ -59,6 +59,8 @@ from torchvision.datasets import ImageFolder
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 
+from dlpipe.machine import usable_cpus
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import convert_corpus, generated_line, log, met, write_results  # sibling script
 from corpus import DEFAULT_CORPUS, cached_corpus, corpus_files  # siblings
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     started = time.perf_counter()
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     root, corpus = cached_corpus(args.corpus, args.images, args.seed)
     log(f"corpus {root} ({'reused' if corpus['reused'] else 'made'})")
     files = corpus_files(root)

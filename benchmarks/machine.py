@@ -9,18 +9,16 @@ from typing import Any
 
 import numpy as np
 
+from dlpipe.machine import usable_cpus
+
 __all__ = ["machine_info"]
 
 
 def machine_info(**versions: Any) -> dict[str, Any]:
     """CPU counts, platform, Python and numpy versions, plus the given package versions."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count() or 1
     return {
         "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
+        "cpus_usable": usable_cpus(),
         "processor": platform.processor() or platform.machine(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import generated_line, log, write_results
 
 from dlpipe.converters.engine import ConvertConfig, plan_conversion
+from dlpipe.machine import usable_cpus
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -195,7 +196,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _machine() -> str:
-    return f"{len(os.sched_getaffinity(0))} usable CPUs, {platform.machine()}, Python " + (
+    return f"{usable_cpus()} usable CPUs, {platform.machine()}, Python " + (
         platform.python_version()
     )
 
