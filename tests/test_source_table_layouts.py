@@ -184,12 +184,17 @@ def test_table_beside_class_folders_warns_naming_the_other_source(tmp_path, caps
     assert dlpipe.read_manifest(str(tmp_path / "out2")).classes == ("cat", "dog")
 
 
-def test_plain_layouts_detect_without_a_warning(tmp_path, caplog) -> None:
-    raw = tmp_path / "raw"
+def split_class_folders(raw: Path) -> None:
+    """``raw/{train,val}/{cat,dog}/1.jpg``: an ImageFolder with split folders."""
     for split in ("train", "val"):
         for cls in ("cat", "dog"):
             (raw / split / cls).mkdir(parents=True)
             (raw / split / cls / "1.jpg").write_bytes(jpeg(1))
+
+
+def test_plain_layouts_detect_without_a_warning(tmp_path, caplog) -> None:
+    raw = tmp_path / "raw"
+    split_class_folders(raw)
     (raw / "notes.csv").write_text("a,b\n1,2\n")  # a table without image and label columns
     with caplog.at_level(logging.INFO, logger="dlpipe"):
         assert open_source(str(raw)).kind == "imagefolder"
@@ -287,10 +292,7 @@ def test_a_wrong_image_root_stops_early_naming_it(tmp_path, capsys) -> None:
 
 def test_loose_images_beside_split_folders_are_named_in_a_warning(tmp_path, capsys) -> None:
     raw = tmp_path / "raw"
-    for split in ("train", "val"):
-        for cls in ("cat", "dog"):
-            (raw / split / cls).mkdir(parents=True)
-            (raw / split / cls / "1.jpg").write_bytes(jpeg(1))
+    split_class_folders(raw)
     for name in ("stray1.jpg", "stray2.png"):
         (raw / name).write_bytes(jpeg(2))
     assert convert(raw, tmp_path / "out") == 0
