@@ -16,6 +16,7 @@ from conftest import write_dataset
 from PIL import Image
 from scipy.stats import ks_2samp
 from torchvision import transforms as T
+from torchvision.transforms import v2
 
 import dlpipe
 from dlpipe.codecs import ImageTooLargeError
@@ -88,6 +89,21 @@ def test_crop_boxes_follow_torchvision_random_resized_crop(width: int, height: i
     assert ((ours[0] > 0) & (ours[0] <= 1)).all()
 
 
+@pytest.mark.parametrize("min_scale", [0.08, 0.35, 1.0])
+def test_a_seeded_generator_draws_torchvision_make_params_own_box(min_scale: float) -> None:
+    """Box by box, not only in distribution: a generator seeded like the default generator
+    gives v2.RandomResizedCrop.make_params's box, fallback (odd shapes) included."""
+    transform = ImageTransform("train", 224, "jpg", min_scale=min_scale)
+    crop = v2.RandomResizedCrop(224, scale=(min_scale, 1.0))
+    for index in range(600):
+        width, height = [(400, 300), (5, 7), (1001, 3), (3, 1001), (224, 224)][index % 5]
+        generator = transform.generator(0, index)
+        torch.default_generator.manual_seed(generator.initial_seed())
+        params = crop.make_params([torch.empty(()).expand(3, height, width)])
+        expected = (params["top"], params["left"], params["height"], params["width"])
+        assert tuple(transform.sample_box(width, height, generator)) == expected
+
+
 def test_the_box_test_tells_another_distribution() -> None:
     """The same test rejects a different crop scale: it has power, it is not a formality."""
     ours, reference = dlpipe_boxes(400, 300, 0.3, 3000), reference_boxes(400, 300, (0.08, 1), 3000)
@@ -148,10 +164,7 @@ def test_scaled_decode_matches_the_full_decode_within_interpolation_error(
 def train_box(transform: ImageTransform, data: bytes, epoch: int, index: int) -> tuple:
     """The box and DCT factor the transform draws for (epoch, index), seeded as it seeds."""
     width, height = Image.open(io.BytesIO(data)).size
-    with torch.random.fork_rng(devices=[]):
-        key = np.random.SeedSequence([transform.seed, epoch, index]).generate_state(1)[0]
-        torch.default_generator.manual_seed(int(key))
-        box = transform.sample_box(width, height)
+    box = transform.sample_box(width, height, transform.generator(epoch, index))
     return box, dct_factor(box.width, box.height, transform.image_size)
 
 

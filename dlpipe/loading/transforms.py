@@ -24,6 +24,7 @@ cropped from today's full decode. EXIF orientation is ignored on both paths (as
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -66,6 +67,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DECODE_MODES = ("crop", "full")
 DCT_FACTORS = (8, 4, 2, 1)  # libjpeg's power-of-two DCT scales, largest first
+_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range
 _SCALABLE_COLORSPACES = frozenset({"YCbCr", "Gray"})  # CMYK/YCCK: Pillow's conversion, full
 
 
@@ -193,6 +195,8 @@ class ImageTransform:
         self.recipe, self.image_size, self.field, self.seed = recipe, image_size, field, seed
         self.min_scale, self.decode = min_scale, decode
         self.max_pixels = max_image_pixels()  # carried into spawned workers with the transform
+        low, high = torch.log(torch.tensor(_RATIO)).tolist()  # float32, as torchvision's
+        self._log_ratio = (low, high)
         self._ops: v2.Compose | None = None
 
     def ops(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -212,12 +216,39 @@ class ImageTransform:
             self._ops = v2.Compose(steps)
         return self._ops
 
-    def sample_box(self, width: int, height: int) -> CropBox:
-        """A train crop box for a `width` x `height` image, drawn from torch's default generator
-        exactly as ``v2.RandomResizedCrop`` draws it (its own ``make_params``)."""
-        crop = self._compose().transforms[0]
-        params = crop.make_params([torch.empty(()).expand(3, height, width)])
-        return CropBox(params["top"], params["left"], params["height"], params["width"])
+    def sample_box(
+        self, width: int, height: int, generator: torch.Generator | None = None
+    ) -> CropBox:
+        """A train crop box for a `width` x `height` image, drawn from `generator` (default:
+        torch's default generator) exactly as ``v2.RandomResizedCrop.make_params`` draws it from
+        the default generator: the same draws in the same order, so the same seed gives the
+        same box (a test holds the two equal). The generator is explicit so that threads
+        transforming samples side by side never share one."""
+        area, (low, high) = height * width, self._log_ratio
+        for _ in range(10):
+            share = torch.empty(1).uniform_(self.min_scale, 1.0, generator=generator).item()
+            target_area = area * share
+            aspect = torch.exp(torch.empty(1).uniform_(low, high, generator=generator)).item()
+            w = int(round(math.sqrt(target_area * aspect)))
+            h = int(round(math.sqrt(target_area / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator))
+                left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator))
+                return CropBox(top, left, h, w)
+        ratio = width / height  # torchvision's fallback: the central crop in the ratio range
+        if ratio < _RATIO[0]:
+            w, h = width, int(round(width / _RATIO[0]))
+        elif ratio > _RATIO[1]:
+            w, h = int(round(height * _RATIO[1])), height
+        else:
+            w, h = width, height
+        return CropBox((height - h) // 2, (width - w) // 2, h, w)
+
+    def generator(self, epoch: int, index: int) -> torch.Generator:
+        """The generator that draws sample `index`'s box and flip in `epoch` (seeded by
+        (seed, epoch, index), so a resumed or re-sharded run augments each sample the same)."""
+        key = np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0]
+        return torch.Generator().manual_seed(int(key))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_ops": None}
@@ -226,12 +257,7 @@ class ImageTransform:
         data = bytes(sample[self.field])  # type: ignore[arg-type]
         try:
             if self.recipe == "train":
-                with torch.random.fork_rng(devices=[]):
-                    key = np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0]
-                    # the CPU generator only: torch.manual_seed also queues CUDA/XPU/MTIA seeding,
-                    # formatting a stack trace each time (a third of the loader's time)
-                    torch.default_generator.manual_seed(int(key))
-                    image = self._train(data)
+                image = self._train(data, self.generator(epoch, index))
             else:
                 image = self.ops()(decode_rgb(data, self.max_pixels))
         except FieldDecodeError as exc:  # name the sample: the error surfaces far from here
@@ -240,21 +266,25 @@ class ImageTransform:
         label = int(bytes(sample["cls"])) if "cls" in sample else -1  # type: ignore[arg-type]
         return image, label
 
-    def _train(self, data: bytes) -> torch.Tensor:
-        """RandomResizedCrop + flip under the seeded generator: box, decode, crop, flip."""
+    def _train(self, data: bytes, generator: torch.Generator) -> torch.Tensor:
+        """RandomResizedCrop + flip drawn from `generator`: box, decode, crop, flip (the full
+        path decodes the whole image and crops the same box)."""
         if self.decode == "full":
-            return self.ops()(decode_rgb(data, self.max_pixels))
-        width, height = check_image_pixels(data, self.max_pixels)
-        box = self.sample_box(width, height)
-        factor = dct_factor(box.width, box.height, self.image_size)
-        image = decode_jpeg_scaled(data, factor)
-        if image is None:
-            image, factor = decode_rgb(data, self.max_pixels), 1
+            image = decode_rgb(data, self.max_pixels)
+            box, factor = self.sample_box(image.shape[-1], image.shape[-2], generator), 1
+        else:
+            width, height = check_image_pixels(data, self.max_pixels)
+            box = self.sample_box(width, height, generator)
+            factor = dct_factor(box.width, box.height, self.image_size)
+            scaled = decode_jpeg_scaled(data, factor)
+            if scaled is None:
+                scaled, factor = decode_rgb(data, self.max_pixels), 1
+            image = scaled
         top, left, box_h, box_w = _scaled_box(box, factor, image.shape[-2], image.shape[-1])
         size = [self.image_size, self.image_size]
         crop = tvf.resized_crop(image, top, left, box_h, box_w, size, antialias=True)
-        crop = tvf.horizontal_flip(crop) if torch.rand(1) < 0.5 else crop  # v2's draw
-        return crop.contiguous()
+        flip = torch.rand(1, generator=generator) < 0.5  # v2.RandomHorizontalFlip's draw
+        return (tvf.horizontal_flip(crop) if flip else crop).contiguous()
 
     def __repr__(self) -> str:
         return f"ImageTransform({self.recipe!r}, image_size={self.image_size})"
