@@ -229,17 +229,17 @@ class ImageTransform:
             share = torch.empty(1).uniform_(self.min_scale, 1.0, generator=generator).item()
             target_area = area * share
             aspect = torch.exp(torch.empty(1).uniform_(low, high, generator=generator)).item()
-            w = int(round(math.sqrt(target_area * aspect)))
-            h = int(round(math.sqrt(target_area / aspect)))
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
             if 0 < w <= width and 0 < h <= height:
                 top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator))
                 left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator))
                 return CropBox(top, left, h, w)
         ratio = width / height  # torchvision's fallback: the central crop in the ratio range
         if ratio < _RATIO[0]:
-            w, h = width, int(round(width / _RATIO[0]))
+            w, h = width, round(width / _RATIO[0])
         elif ratio > _RATIO[1]:
-            w, h = int(round(height * _RATIO[1])), height
+            w, h = round(height * _RATIO[1]), height
         else:
             w, h = width, height
         return CropBox((height - h) // 2, (width - w) // 2, h, w)
