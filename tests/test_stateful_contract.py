@@ -59,6 +59,11 @@ def _loader(path: str) -> Any:
     return dlpipe.make_loader(path, "train", 4, image_size=8, num_workers=0, seed=5)
 
 
+def _threaded_loader(path: str) -> Any:
+    threads = dlpipe.WorkerSettings(num_workers=2, engine="threads")
+    return dlpipe.make_loader(path, "train", 4, image_size=8, workers=threads, seed=5)
+
+
 def _loader_outputs(loader: Any, start: int) -> Iterator[Any]:
     while True:
         for images, labels in loader:
@@ -117,6 +122,9 @@ CASES = [
     Case("loader-hdf5", ("PreparedLoader",), _loader, _loader_outputs, data="hdf5"),
     # the stream order advances only as the loader yields batches: its state is the loader's
     Case("loader-wds", ("PreparedLoader", "StreamOrder"), _loader, _loader_outputs, data="wds"),
+    # the thread engine: the same state, batches resolved from a pool ahead of the caller
+    Case("threads-lmdb", ("PreparedLoader",), _threaded_loader, _loader_outputs, data="lmdb"),
+    Case("threads-wds", ("PreparedLoader",), _threaded_loader, _loader_outputs, data="wds"),
     Case("step-runner", ("StepRunner",), _runner, _runner_outputs),
     Case("early-stopping", ("EarlyStopping",), _early_stop, _early_stop_outputs),
     Case("run-counters", ("RunCounters",), lambda _: RunCounters(), _counters_outputs),

@@ -26,6 +26,7 @@ from dlpipe.machine import usable_cpus
 __all__ = ["LoaderConfig", "LoaderConfigError", "WorkerSettings", "default_workers"]
 
 TRANSFORMS = ("auto", "train", "eval")
+ENGINES = ("processes", "threads")
 Transform = str | Callable[..., Any] | None
 
 
@@ -115,17 +116,24 @@ class WorkerSettings:
     """How a loader's batches are made: only the speed depends on these, never the data.
 
     Attributes:
-        num_workers: DataLoader worker processes (0: load in the main process).
+        num_workers: with the ``processes`` engine, DataLoader worker processes (0: load in
+            the main process); with ``threads``, the threads transforming samples (1 or more).
         prefetch_factor: batches each worker keeps ready (None: torch's 2; unused with 0
-            workers).
+            workers); with ``threads``, the batches queued on the pool ahead of the one
+            being collated.
         pin_memory: batches in page-locked memory, for fast copies to a GPU.
-        persistent_workers: keep the workers between epochs (ignored with 0 workers).
+        persistent_workers: keep the workers between epochs (ignored with 0 workers and
+            with threads, whose pool lives as long as the loader).
+        engine: ``processes`` (torch's worker processes) or ``threads`` (a pool of threads
+            in the loading process: no IPC, no fork; `dlpipe.loading.threads`). Both give
+            the same batches; ``dlpipe bench-loader`` measures both and keeps the faster.
     """
 
     num_workers: int
     prefetch_factor: int | None = 2
     pin_memory: bool = False
     persistent_workers: bool = True
+    engine: str = "processes"
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_workers) or self.num_workers < 0:
@@ -140,6 +148,17 @@ class WorkerSettings:
         for name in ("pin_memory", "persistent_workers"):
             if not isinstance(getattr(self, name), bool):
                 raise _reject(name, getattr(self, name), "is not True or False", "pass one")
+        if self.engine not in ENGINES:
+            rule = "is not 'processes' or 'threads'"
+            raise _reject("engine", self.engine, rule, "pass one of those")
+        if self.engine == "threads" and self.num_workers < 1:
+            rule = "is not 1 or more, as the threads engine needs"
+            raise _reject("num_workers", self.num_workers, rule, "pass the thread count")
+
+    @property
+    def threads(self) -> int:
+        """The thread engine's thread count (0: the processes engine)."""
+        return self.num_workers if self.engine == "threads" else 0
 
     def replace(self, **changes: Any) -> WorkerSettings:
         """A copy with the fields in `changes` set (checked again)."""
@@ -147,7 +166,10 @@ class WorkerSettings:
 
     def dataloader_options(self) -> dict[str, Any]:
         """These settings as ``torch.utils.data.DataLoader`` keywords (prefetch and persistence
-        only with workers, as torch requires)."""
+        only with workers, as torch requires; the thread engine's DataLoader runs in this
+        process and pins its batches itself)."""
+        if self.threads:
+            return {"num_workers": 0, "pin_memory": False, "persistent_workers": False}
         options: dict[str, Any] = {
             "num_workers": self.num_workers,
             "pin_memory": self.pin_memory,

@@ -51,6 +51,7 @@ from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, o
 from dlpipe.loading.order import EpochSampler, StreamOrder
 from dlpipe.loading.profile import LoaderProfile, select_profile
 from dlpipe.loading.state import require_equal, require_fields
+from dlpipe.loading.threads import ThreadEngine, collate_pending
 from dlpipe.loading.transforms import ImageTransform, image_field
 from dlpipe.loading.views import MapView, Piece, StreamView, collate, shard_runs
 from dlpipe.processes import stop_signals_blocked
@@ -116,8 +117,9 @@ class PreparedLoader(torch.utils.data.DataLoader):
     ``len(loader)`` is the exact number of batches this rank yields in a whole epoch.
     """
 
-    def __init__(self, dataset: Any, **options: Any) -> None:
+    def __init__(self, dataset: Any, engine: ThreadEngine | None = None, **options: Any) -> None:
         self._stream = isinstance(dataset, StreamView)
+        self._engine = engine  # the thread engine's pool, or None: torch's workers
         if self._stream:  # the workers batch; what they leave over is merged here
             self._batch_size, self._drop_last = options.pop("batch_size"), options.pop("drop_last")
             options.pop("collate_fn", None)
@@ -159,7 +161,8 @@ class PreparedLoader(torch.utils.data.DataLoader):
             assert isinstance(self.order, StreamOrder)
             self.order.take()  # the workers took the pass with them
         self._pass, self._inner = progress, inner
-        batches = self._merged(inner, progress) if self._stream else inner
+        source = inner if self._engine is None else self._engine.batches(inner)
+        batches = self._merged(source, progress) if self._stream else source
         return self._counted(batches, progress, self._generation)
 
     def _counted(self, batches: Iterator[Any], progress: _Pass, generation: int) -> Iterator[Any]:
@@ -232,8 +235,11 @@ class PreparedLoader(torch.utils.data.DataLoader):
             self.close()  # persistent workers hold the old position: the next pass restarts them
 
     def close(self) -> None:
-        """End the worker processes now (they end with the loader's garbage collection
-        otherwise; a trainer that runs in-process must not leave them behind)."""
+        """End the worker processes (or the thread engine's threads) now (they end with the
+        loader's garbage collection otherwise; a trainer that runs in-process must not leave
+        them behind)."""
+        if self._engine is not None:
+            self._engine.close()
         for iterator in (getattr(self, "_iterator", None), self._inner):
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:
@@ -354,12 +360,18 @@ def make_loader(
         pin_memory=pin_memory,
     )
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
-    fn = make_transform(config, dataset)
+    fn: Any = make_transform(config, dataset)
+    engine: ThreadEngine | None = None
+    collate_fn: Callable[[list[Any]], Any] = collate
+    if settings.threads:
+        depth = settings.prefetch_factor or 2
+        engine = ThreadEngine(settings.threads, depth, settings.pin_memory)
+        fn, collate_fn = engine.deferred(fn), collate_pending
     shuffle, seed, batch_size = bool(config.shuffle), config.seed, config.batch_size
     drop_last = bool(config.drop_last)
     options: dict[str, Any] = {
         "batch_size": batch_size,
-        "collate_fn": collate,
+        "collate_fn": collate_fn,
         "drop_last": drop_last,
         **settings.dataloader_options(),
     }
@@ -370,7 +382,9 @@ def make_loader(
     placement |= {"shuffle": shuffle, "seed": seed}
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(len(dataset), drop_last=drop_last, block=batch_size, **placement)
-        return PreparedLoader(MapView(dataset, fn), sampler=sampler, **options)
+        return PreparedLoader(MapView(dataset, fn), engine, sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
-    view = StreamView.build(dataset, fn, batch_size=batch_size, drop_last=drop_last, **placement)
-    return PreparedLoader(view, **options)
+    view = StreamView.build(
+        dataset, fn, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn, **placement
+    )
+    return PreparedLoader(view, engine, **options)

@@ -13,7 +13,7 @@ SHA-256 of the dataset's absolute path or URL. Schema version 1::
       "schema": "dlpipe.loader-profiles", "schema_version": 1,
       "profiles": [
         {"num_workers": 4, "prefetch_factor": 2, "pin_memory": true,
-         "persistent_workers": true, "samples_per_s": 1234.5,
+         "persistent_workers": true, "engine": "processes", "samples_per_s": 1234.5,
          "machine": {"cpus": 16, "gpu": "NVIDIA H200", "torch": "2.4.0"},
          "loader": {"split": "train", "batch_size": 256, "transform": "train",
                     "image_size": 224, "min_crop_scale": 0.08},  # null unless "train"
@@ -22,7 +22,8 @@ SHA-256 of the dataset's absolute path or URL. Schema version 1::
     }
 
 A ``loader`` key without ``min_crop_scale`` (written before the tuner measured the crop scale)
-was measured with the default crop, 0.08, and is read as such.
+was measured with the default crop, 0.08, and is read as such; a profile without ``engine``
+(written before the thread engine) is a ``processes`` one.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class LoaderProfile:
             "prefetch_factor": s.prefetch_factor,
             "pin_memory": s.pin_memory,
             "persistent_workers": s.persistent_workers,
+            "engine": s.engine,
             "samples_per_s": self.samples_per_s,
             "machine": dict(self.machine),
             "loader": dict(self.loader),
@@ -122,6 +124,7 @@ class LoaderProfile:
                 prefetch_factor=_prefetch(data["prefetch_factor"]),
                 pin_memory=_flag(data["pin_memory"], "pin_memory"),
                 persistent_workers=_flag(data["persistent_workers"], "persistent_workers"),
+                engine=data.get("engine", "processes"),  # profiles before the thread engine
             )
             return cls(
                 settings=settings,
@@ -281,9 +284,10 @@ def select_profile(
         return None
     chosen, source = found
     log.info(
-        "using loader profile from %s: num_workers=%d prefetch_factor=%s pin_memory=%s "
-        "(measured %.0f samples/s)",
+        "using loader profile from %s: engine=%s num_workers=%d prefetch_factor=%s "
+        "pin_memory=%s (measured %.0f samples/s)",
         source,
+        chosen.settings.engine,
         chosen.settings.num_workers,
         chosen.settings.prefetch_factor,
         chosen.settings.pin_memory,

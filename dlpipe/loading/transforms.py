@@ -174,6 +174,8 @@ class ImageTransform:
             whole image, then crop: the reference path). Eval always decodes in full.
     """
 
+    seeded_by_position = True  # takes (epoch, index): see `dlpipe.loading.views.apply_transform`
+
     def __init__(
         self,
         recipe: str,

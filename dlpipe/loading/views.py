@@ -5,8 +5,9 @@
   pieces (`Piece`): collated full batches, then its last few samples uncollated, each with the
   (shard, count) runs it holds, which the loader turns into shard cursors and whole batches.
 
-`apply_transform` gives an `ImageTransform` the epoch and index that seed its augmentation,
-so a resumed loader crops a sample as the uninterrupted one did.
+`apply_transform` gives an `ImageTransform` (and the thread engine's `Deferred`) the epoch and
+index that seed its augmentation, so a resumed loader crops a sample as the uninterrupted one
+did.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch.utils.data
 
 from dlpipe.loading.dataset import MapDataset, StreamDataset
 from dlpipe.loading.order import StreamOrder
-from dlpipe.loading.transforms import ImageTransform
 from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = ["MapView", "Piece", "StreamView", "apply_transform", "collate", "shard_runs"]
@@ -80,14 +80,16 @@ class StreamView(torch.utils.data.IterableDataset):
         *,
         batch_size: int,
         drop_last: bool,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         **placement: Any,
     ) -> StreamView:
         """The view of `dataset` for this rank (``drop_last``: equal whole batches per rank);
-        `placement` is the order's rank, world size, shuffle and seed."""
+        `placement` is the order's rank, world size, shuffle and seed; `collate_fn` (default
+        `collate`) makes a worker's full batches."""
         sizes = [s.samples for s in dataset.manifest.split(dataset.split).shards]
         order = StreamOrder(sizes, batch_size=batch_size, equal_shares=drop_last, **placement)
         order.check_ranks(dataset.path, dataset.split)
-        return cls(dataset, transform, order, collate)
+        return cls(dataset, transform, order, collate_fn or collate)
 
     def __iter__(self) -> Iterator[Piece]:
         epoch, segments = self.order.take()
@@ -111,10 +113,11 @@ class StreamView(torch.utils.data.IterableDataset):
 def apply_transform(
     transform: Callable[..., Any] | None, sample: Sample, epoch: int, index: int
 ) -> Any:
-    """`transform` on `sample`: an `ImageTransform` also gets the (epoch, index) seeding it."""
+    """`transform` on `sample`; one ``seeded_by_position`` (an `ImageTransform`, or one
+    deferred to the thread engine) also gets the (epoch, index) that seed its augmentation."""
     if transform is None:
         return sample
-    if isinstance(transform, ImageTransform):
+    if getattr(transform, "seeded_by_position", False):
         return transform(sample, epoch, index)
     return transform(sample)
 

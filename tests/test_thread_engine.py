@@ -1,0 +1,161 @@
+"""The thread engine: the same batches as the 0-worker loader, from threads in this process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+from conftest import FORMAT_NAMES, write_dataset
+
+import dlpipe
+from dlpipe.errors import FieldDecodeError
+from dlpipe.loading.config import LoaderConfigError
+from dlpipe.loading.profile import LoaderProfile, ProfileError, loader_key, machine_key
+
+THREADS = dlpipe.WorkerSettings(num_workers=2, engine="threads")
+
+
+def _batches(loader, count=None):
+    out = []
+    for i, (images, labels) in enumerate(loader):
+        if count is not None and i == count:
+            break
+        out.append((images.clone(), labels.clone()))
+    return out
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, y) and torch.equal(lx, ly) for (x, lx), (y, ly) in zip(a, b)
+    )
+
+
+def _loader(path, workers, **kwargs):
+    return dlpipe.make_loader(path, batch_size=4, image_size=24, seed=5, workers=workers, **kwargs)
+
+
+def _engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dlpipe-loader")]
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_threads_give_the_zero_worker_batches_bit_for_bit(fmt, make_dataset) -> None:
+    """Two epochs, train transform: same samples, same order, same augmentation."""
+    path = make_dataset(fmt)
+    inline = _loader(path, None, num_workers=0)
+    threaded = _loader(path, THREADS)
+    for _ in range(2):
+        assert _same(_batches(inline), _batches(threaded))
+    assert len(threaded) == len(inline) == 8
+    threaded.close()
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_threads_start_no_process_and_close_ends_their_threads(fmt, make_dataset) -> None:
+    loader = _loader(make_dataset(fmt), THREADS)
+    before = multiprocessing.active_children()
+    iterator = iter(loader)
+    next(iterator)
+    assert multiprocessing.active_children() == before  # no fork, no spawn
+    assert 1 <= len(_engine_threads()) <= 2
+    loader.close()
+    for thread in _engine_threads():
+        thread.join(timeout=10)
+    assert not _engine_threads()
+    assert len(_batches(loader)) == 8  # a closed loader starts its pool again
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+@pytest.mark.parametrize(("saver", "resumer"), [("threads", "threads"), ("threads", "workers")])
+def test_a_thread_engine_state_resumes_exactly(fmt, saver, resumer, make_dataset) -> None:
+    """Saved mid-epoch (after batches were already queued ahead), resumed by a thread
+    loader or a process-worker one: the rest of the epoch and the next are the
+    uninterrupted run's."""
+    path = make_dataset(fmt)
+    engines = {"threads": THREADS, "workers": dlpipe.WorkerSettings(num_workers=2)}
+    reference = _loader(path, engines[saver])
+    iterator = iter(reference)
+    _ = [next(iterator) for _ in range(3)]
+    state = reference.state_dict()
+    rest = [(x.clone(), y.clone()) for x, y in iterator] + _batches(reference)
+    resumed = _loader(path, engines[resumer])
+    resumed.load_state_dict(state)
+    again = _batches(resumed) + _batches(resumed)
+    if fmt == "wds" and resumer == "workers":  # another worker count: the same samples
+        keys = sorted(int(label) for _, labels in rest for label in labels)
+        assert keys == sorted(int(label) for _, labels in again for label in labels)
+    else:
+        assert _same(rest, again)
+    reference.close(), resumed.close()
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_ranks_on_threads_are_the_zero_worker_ranks(fmt, tmp_path, samples) -> None:
+    path = write_dataset(tmp_path / "d", fmt, {"train": samples[:37]}, max_shard_samples=5)
+    keys = []
+    for rank in range(2):
+        inline = dlpipe.make_loader(
+            path, batch_size=4, transform=None, num_workers=0, rank=rank, world_size=2
+        )
+        threaded = dlpipe.make_loader(
+            path, batch_size=4, transform=None, workers=THREADS, rank=rank, world_size=2
+        )
+        ours = [s["__key__"] for batch in threaded for s in batch]
+        assert ours == [s["__key__"] for batch in inline for s in batch]
+        assert len(ours) == 16
+        keys.append(set(ours))
+    assert not keys[0] & keys[1]
+
+
+def test_a_sample_that_does_not_decode_is_the_same_named_error(tmp_path, samples) -> None:
+    broken = [dict(s) for s in samples[:12]]
+    broken[5]["jpg"] = b"\xff\xd8\xff\xe0 not a jpeg at all"
+    path = write_dataset(tmp_path / "d", "lmdb", {"train": broken})
+    loader = dlpipe.make_loader(path, batch_size=4, image_size=24, shuffle=False, workers=THREADS)
+    with pytest.raises(FieldDecodeError, match=repr(broken[5]["__key__"])):
+        list(loader)
+    loader.close()
+
+
+def test_a_custom_transform_runs_on_the_threads(make_dataset) -> None:
+    seen: set[str] = set()
+
+    def label_only(sample):
+        seen.add(threading.current_thread().name)
+        return int(sample["cls"])
+
+    path = make_dataset("hdf5")
+    loader = dlpipe.make_loader(
+        path, batch_size=4, transform=label_only, workers=THREADS, shuffle=False
+    )
+    inline = dlpipe.make_loader(
+        path, batch_size=4, transform=label_only, num_workers=0, shuffle=False
+    )
+    assert [b.tolist() for b in loader] == [b.tolist() for b in inline]
+    assert any(name.startswith("dlpipe-loader") for name in seen)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"engine": "fibres"}, r"engine='fibres' is not 'processes' or 'threads'"),
+        ({"engine": "threads", "num_workers": 0}, r"num_workers=0 is not 1 or more"),
+    ],
+)
+def test_bad_engine_settings_are_named(fields, message) -> None:
+    with pytest.raises(LoaderConfigError, match=message):
+        dlpipe.WorkerSettings(**{"num_workers": 2, **fields})
+
+
+def test_a_profile_keeps_its_engine_and_an_old_one_reads_as_processes() -> None:
+    key = loader_key("train", dlpipe.LoaderConfig())
+    profile = LoaderProfile(settings=THREADS, samples_per_s=1.0, machine=machine_key(), loader=key)
+    stored = profile.to_json()
+    assert stored["engine"] == "threads"
+    assert LoaderProfile.from_json(stored).settings == THREADS
+    with pytest.raises(ProfileError, match="engine=.fork bomb. is not"):
+        LoaderProfile.from_json({**stored, "engine": "fork bomb"})
+    del stored["engine"]
+    assert LoaderProfile.from_json(stored).settings.engine == "processes"
