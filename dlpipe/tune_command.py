@@ -96,7 +96,7 @@ def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
                 escape(trial.skipped) if trial.skipped else f"{trial.samples_per_s:.0f} samples/s"
             )
             console.print(
-                f"  workers={trial.num_workers} prefetch={trial.prefetch_factor} "
+                f"  {trial.engine}={trial.num_workers} prefetch={trial.prefetch_factor} "
                 f"pin={trial.pin_memory}: {what}"
             )
 
@@ -134,12 +134,13 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
         stages.add_row(name, f"{rate:.0f}")
     console.print(stages)
     trials = Table(
-        "num_workers", "prefetch", "pin_memory", "samples/s", "worker RSS", title="trials"
+        "engine", "num_workers", "prefetch", "pin_memory", "samples/s", "worker RSS", title="trials"
     )
     for t in report.trials:
         shown = escape(t.skipped) if t.skipped else f"{t.samples_per_s:.0f}"
         mark = " ←" if t is report.best else ""
         trials.add_row(
+            t.engine,
             str(t.num_workers),
             str(t.prefetch_factor),
             str(t.pin_memory),
@@ -150,7 +151,8 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
     best = report.best
     assert best is not None
     console.print(
-        f"chosen: num_workers={best.num_workers} prefetch_factor={best.prefetch_factor} "
+        f"chosen: engine={best.engine} num_workers={best.num_workers} "
+        f"prefetch_factor={best.prefetch_factor} "
         f"pin_memory={best.pin_memory} ({best.samples_per_s:.0f} samples/s)"
     )
     console.print(f"verdict: {escape(report.advice)}")
@@ -173,7 +175,8 @@ def _plot(report: BenchReport, path: str) -> None:
         h = int((height - 80) * t.samples_per_s / top)
         colour = (40, 120, 200) if t is not report.best else (220, 110, 30)
         draw.rectangle((x, height - 40 - h, x + bar, height - 40), fill=colour)
-        draw.text((x, height - 35), f"w{t.num_workers} p{t.prefetch_factor}", fill="black")
+        label = f"{t.engine[0]}{t.num_workers} p{t.prefetch_factor}"  # p2: processes, t2: threads
+        draw.text((x, height - 35), label, fill="black")
         draw.text((x, height - 55 - h), f"{t.samples_per_s:.0f}", fill="black")
     draw.text(
         (10, 10), f"samples/s per trial: {os.path.basename(report.config.path)}", fill="black"

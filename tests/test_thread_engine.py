@@ -119,6 +119,13 @@ def test_a_sample_that_does_not_decode_is_the_same_named_error(tmp_path, samples
     loader.close()
 
 
+def test_the_engine_keyword_overrides_the_settings(make_dataset) -> None:
+    loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, num_workers=3, engine="threads")
+    assert loader._engine is not None and loader._engine.threads == 3 and loader.num_workers == 0
+    with pytest.raises(LoaderConfigError, match="engine='greenlets'"):
+        dlpipe.make_loader(make_dataset("wds"), batch_size=4, engine="greenlets")
+
+
 def test_a_custom_transform_runs_on_the_threads(make_dataset) -> None:
     seen: set[str] = set()
 

@@ -23,6 +23,7 @@ def test_bench_loader_reports_saves_and_make_loader_uses_it(make_dataset, capsys
     stages = report["stages"]
     assert stages["read"] >= stages["decode"] >= stages["transform"] >= stages["collate"] > 0
     assert [t["num_workers"] for t in report["trials"]][:3] == [0, 1, 2]
+    assert {t["engine"] for t in report["trials"]} == {"processes", "threads"}
     assert report["bottleneck"] in {"read", "decode", "transform", "collate"}
     assert report["advice"].split(":")[0].endswith("bound")
     assert report["saved"] == os.path.join(path, "dlpipe-profiles.json")
@@ -30,7 +31,9 @@ def test_bench_loader_reports_saves_and_make_loader_uses_it(make_dataset, capsys
     best = report["best"]
     caplog.set_level("INFO", logger="dlpipe")
     loader = dlpipe.make_loader(path, "train", batch_size=8, image_size=32)
-    assert loader.num_workers == best["num_workers"]
+    threads = best["engine"] == "threads"
+    assert loader.num_workers == (0 if threads else best["num_workers"])
+    assert (loader._engine is not None) == threads
     assert "using loader profile" in caplog.text
 
 
@@ -42,7 +45,33 @@ def test_the_search_respects_the_ram_budget(make_dataset, monkeypatch) -> None:
     trials = tune.search(config)
     skipped = [t for t in trials if t.skipped]
     assert skipped and skipped[0].num_workers == 2 and "GB" in skipped[0].skipped
-    assert all(t.num_workers <= 1 for t in trials if not t.skipped)
+    processes = [t for t in trials if t.engine == "processes" and not t.skipped]
+    assert all(t.num_workers <= 1 for t in processes)
+    threads = [t.num_workers for t in trials if t.engine == "threads"]
+    assert threads[:4] == [1, 2, 3, 4]  # threads share one process's memory: none skipped
+
+
+def test_the_search_keeps_the_faster_engine_and_tunes_its_prefetch(make_dataset, monkeypatch):
+    """Threads measured faster (as with no IPC): the best trial, its prefetch and the saved
+    profile are the thread engine's; measured slower, the workers stay."""
+
+    def fake(config, trial, seconds, threads_gain):
+        gain = threads_gain if trial.engine == "threads" else 1.0
+        rate = 100.0 * min(trial.num_workers, 2) * gain
+        trial.samples_per_s = rate + 10 * (trial.prefetch_factor or 0)
+        return trial
+
+    path = make_dataset("lmdb")
+    for gain, engine in ((1.5, "threads"), (0.8, "processes")):
+        monkeypatch.setattr(tune, "run_trial", lambda c, t, s, g=gain: fake(c, t, s, g))
+        config = tune.BenchConfig(path=path, max_workers=4)
+        trials = tune.search(config)
+        best = max(trials, key=lambda t: t.samples_per_s)
+        assert best.engine == engine and best.num_workers == 2 and best.prefetch_factor == 8
+        report = tune.BenchReport(config=config, stages=None, trials=trials, best=best)  # type: ignore[arg-type]
+        with open(tune.save_winner(report)) as f:
+            profile = json.load(f)["profiles"][-1]
+        assert (profile["engine"], profile["num_workers"]) == (engine, 2)
 
 
 def _fake(trial: tune.Trial) -> tune.Trial:

@@ -314,6 +314,7 @@ def make_loader(
     num_workers: int | None = None,
     prefetch_factor: int | None = None,
     pin_memory: bool | None = None,
+    engine: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
     profile: str | LoaderProfile | None = "auto",
@@ -336,8 +337,9 @@ def make_loader(
             logger and the defaults.
         batch_size, transform, image_size, min_crop_scale, shuffle, seed, drop_last: each one
             given overrides that field of `config`.
-        num_workers, prefetch_factor, pin_memory: each one given overrides that field of the
-            worker settings (the profile's too).
+        num_workers, prefetch_factor, pin_memory, engine: each one given overrides that field
+            of the worker settings (the profile's too); ``engine="threads"`` transforms on
+            ``num_workers`` threads in this process instead of worker processes.
         rank, world_size: this process's part (default: torch.distributed or RANK/WORLD_SIZE).
         profile: with ``workers="auto"``, a `LoaderProfile` to use instead of the saved one,
             or None for the defaults.
@@ -358,6 +360,7 @@ def make_loader(
         num_workers=num_workers,
         prefetch_factor=prefetch_factor,
         pin_memory=pin_memory,
+        engine=engine,
     )
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
     fn: Any = make_transform(config, dataset)

@@ -10,10 +10,13 @@ saves is keyed by exactly that config and found again by the loader that uses it
    warm-up, in windows, until two windows agree within 5 % (or the trial's time is up). The
    workers are hill-climbed (0, 1, 2, 3, 4, 6, 8, ... up to ``max_workers``): always up to the
    core count (one worker is no faster than none, so an early dip means nothing), then
-   until two trials in a row are slower; then ``prefetch_factor`` at the best worker count,
-   then ``pin_memory`` when a GPU is the target: a handful of trials, not the full grid.
+   until two trials in a row are slower; then the thread engine's thread count the same
+   way (1, 2, 3, ...: `dlpipe.loading.threads`); then ``prefetch_factor`` for the faster of
+   the two, then ``pin_memory`` when a GPU is the target: a handful of trials, not the grid.
+   The winner's engine is saved with it, so ``make_loader`` runs what was measured fastest.
 3. **RAM budget**: worker memory (RSS, measured) is scaled to the next worker count; a trial
-   that would not fit in 80 % of the available memory is skipped and says so.
+   that would not fit in 80 % of the available memory is skipped and says so (threads share
+   the loading process's memory and are never skipped).
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class Trial:
     samples_per_s: float = 0.0
     worker_rss_bytes: int = 0
     skipped: str | None = None
+    engine: str = "processes"
 
     def settings(self) -> WorkerSettings:
         """The worker settings this trial measures (workers persist when there are any)."""
@@ -124,8 +128,17 @@ class Trial:
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
             pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self.num_workers > 0 and self.engine == "processes",
+            engine=self.engine,
         )
+
+    def describe(self) -> str:
+        """``2 workers``, ``1 worker``, ``2 threads`` or ``the main process``."""
+        if self.engine == "threads":
+            return f"{self.num_workers} thread{'s' * (self.num_workers != 1)}"
+        if self.num_workers == 0:
+            return "the main process"
+        return f"{self.num_workers} worker{'s' * (self.num_workers != 1)}"
 
 
 @dataclass
@@ -272,7 +285,8 @@ def _worker_counts(limit: int) -> list[int]:
 
 
 def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None) -> list[Trial]:
-    """Hill-climb workers, then prefetch, then pin_memory; returns every trial made."""
+    """Hill-climb worker processes, then threads (the thread engine), then prefetch for the
+    faster, then pin_memory; returns every trial made."""
     trials: list[Trial] = []
     seconds = min(max(config.budget_s / 10, 1.0), 10.0)
     memory = available_memory() * _MEMORY_SHARE
@@ -280,40 +294,53 @@ def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None)
 
     def run(trial: Trial) -> Trial:
         nonlocal per_worker
-        needed = per_worker * trial.num_workers
+        needed = per_worker * trial.num_workers if trial.engine == "processes" else 0.0
         if needed > memory:
             trial.skipped = (
                 f"needs ~{needed / 1e9:.1f} GB of worker memory, {memory / 1e9:.1f} GB fit"
             )
         else:
             run_trial(config, trial, seconds)
-            if trial.num_workers:
+            if trial.num_workers and trial.engine == "processes":
                 per_worker = max(per_worker, trial.worker_rss_bytes / trial.num_workers)
         trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
         return trial
 
-    best: Trial | None = None
-    worse, cores = 0, usable_cpus()
-    for workers in _worker_counts(config.worker_limit()):
-        trial = run(Trial(workers, 2 if workers else None, False))
-        if trial.skipped:
-            break
-        if best is None or trial.samples_per_s > best.samples_per_s:
-            best, worse = trial, 0
-        elif (worse := worse + 1) >= 2 and workers >= cores:
-            break  # past the core count, two worse trials in a row end the climb
-    assert best is not None
+    cores = usable_cpus()
+    counts = _worker_counts(config.worker_limit())
+    best = _climb(run, [Trial(n, 2 if n else None, False) for n in counts], cores)
+    threads = [Trial(n, 2, False, engine="threads") for n in counts if n]
+    fastest_thread = _climb(run, threads, cores)
+    if fastest_thread.samples_per_s > best.samples_per_s:
+        best = fastest_thread
     if best.num_workers:
         for prefetch in (4, 8):
-            trial = run(Trial(best.num_workers, prefetch, False))
+            trial = run(Trial(best.num_workers, prefetch, False, engine=best.engine))
             if trial.skipped or trial.samples_per_s <= best.samples_per_s * 1.02:
                 break
             best = trial
     if config.device == "cuda" and torch.cuda.is_available():
-        run(Trial(best.num_workers, best.prefetch_factor, True))
+        run(Trial(best.num_workers, best.prefetch_factor, True, engine=best.engine))
     return trials
+
+
+def _climb(run: Callable[[Trial], Trial], ladder: list[Trial], cores: int) -> Trial:
+    """Run `ladder` (one engine, more workers each step) until, past the core count, two
+    trials in a row are slower than the best, or one is skipped; the best trial."""
+    best: Trial | None = None
+    worse = 0
+    for trial in ladder:
+        run(trial)
+        if trial.skipped:
+            break
+        if best is None or trial.samples_per_s > best.samples_per_s:
+            best, worse = trial, 0
+        elif (worse := worse + 1) >= 2 and trial.num_workers >= cores:
+            break  # past the core count, two worse trials in a row end the climb
+    assert best is not None, "the first rung of a climb is never skipped"
+    return best
 
 
 def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tuple[str, str]:
@@ -323,7 +350,7 @@ def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tup
     stage = max(costs, key=lambda k: costs[k])
     share = 100 * costs[stage] / total
     single = stages.collate
-    rate = f"{best.samples_per_s:.0f} samples/s with {best.num_workers} workers"
+    rate = f"{best.samples_per_s:.0f} samples/s with {best.describe()}"
     if stage == "read":
         advice = (
             f"I/O-bound: reading is {share:.0f}% of the per-sample time "
