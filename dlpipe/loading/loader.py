@@ -364,12 +364,12 @@ def make_loader(
     )
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
     fn: Any = make_transform(config, dataset)
-    engine: ThreadEngine | None = None
+    threads: ThreadEngine | None = None
     collate_fn: Callable[[list[Any]], Any] = collate
     if settings.threads:
         depth = settings.prefetch_factor or 2
-        engine = ThreadEngine(settings.threads, depth, settings.pin_memory)
-        fn, collate_fn = engine.deferred(fn), collate_pending
+        threads = ThreadEngine(settings.threads, depth, settings.pin_memory)
+        fn, collate_fn = threads.deferred(fn), collate_pending
     shuffle, seed, batch_size = bool(config.shuffle), config.seed, config.batch_size
     drop_last = bool(config.drop_last)
     options: dict[str, Any] = {
@@ -385,9 +385,9 @@ def make_loader(
     placement |= {"shuffle": shuffle, "seed": seed}
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(len(dataset), drop_last=drop_last, block=batch_size, **placement)
-        return PreparedLoader(MapView(dataset, fn), engine, sampler=sampler, **options)
+        return PreparedLoader(MapView(dataset, fn), threads, sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
     view = StreamView.build(
         dataset, fn, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn, **placement
     )
-    return PreparedLoader(view, engine, **options)
+    return PreparedLoader(view, threads, **options)
