@@ -142,8 +142,8 @@ def test_auto_uses_the_saved_settings_and_logs_them(make_dataset, caplog) -> Non
         loader = dlpipe.make_loader(path, batch_size=4, image_size=24)
     assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory) == (3, 5, False)
     assert (
-        f"using loader profile from {where}: engine=processes num_workers=3 prefetch_factor=5 "
-        "pin_memory=False (measured 1234 samples/s)"
+        f"using loader profile from {where}: engine=processes num_workers=3 decode=cpu "
+        "prefetch_factor=5 pin_memory=False (measured 1234 samples/s)"
     ) in caplog.text
 
 

@@ -27,6 +27,7 @@ __all__ = ["LoaderConfig", "LoaderConfigError", "WorkerSettings", "default_worke
 
 TRANSFORMS = ("auto", "train", "eval")
 ENGINES = ("processes", "threads")
+DECODE_DEVICES = ("cpu", "cuda")
 Transform = str | Callable[..., Any] | None
 
 
@@ -127,6 +128,11 @@ class WorkerSettings:
         engine: ``processes`` (torch's worker processes) or ``threads`` (a pool of threads
             in the loading process: no IPC, no fork; `dlpipe.loading.threads`). Both give
             the same batches; ``dlpipe bench-loader`` measures both and keeps the faster.
+        decode: where JPEGs are decoded: ``cpu`` (in the workers, crop-aware) or ``cuda``
+            (the workers read bytes and plan the crop, the batch is decoded, cropped and
+            resized on the GPU and yielded there: `dlpipe.loading.device_decode`). The
+            pixels agree within decoder and interpolation error; the boxes and flips are
+            the same draws.
     """
 
     num_workers: int
@@ -134,6 +140,7 @@ class WorkerSettings:
     pin_memory: bool = False
     persistent_workers: bool = True
     engine: str = "processes"
+    decode: str = "cpu"
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_workers) or self.num_workers < 0:
@@ -151,6 +158,11 @@ class WorkerSettings:
         if self.engine not in ENGINES:
             rule = "is not 'processes' or 'threads'"
             raise _reject("engine", self.engine, rule, "pass one of those")
+        if self.decode not in DECODE_DEVICES:
+            rule = "is not 'cpu' or 'cuda'"
+            raise _reject(
+                "decode", self.decode, rule, "pass one of those (or 'auto' to make_loader)"
+            )
         if self.engine == "threads" and self.num_workers < 1:
             rule = "is not 1 or more, as the threads engine needs"
             raise _reject("num_workers", self.num_workers, rule, "pass the thread count")

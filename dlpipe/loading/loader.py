@@ -35,6 +35,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,12 @@ from dlpipe.loading.config import (
     default_workers,
 )
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
+from dlpipe.loading.device_decode import (
+    DeviceDecoder,
+    PlannedTransform,
+    collate_planned,
+    decode_device,
+)
 from dlpipe.loading.order import EpochSampler, StreamOrder
 from dlpipe.loading.profile import LoaderProfile, select_profile
 from dlpipe.loading.state import require_equal, require_fields
@@ -110,6 +117,42 @@ class _Pass:
         return order.state_at(self.epoch, self.cursors)
 
 
+@dataclass(frozen=True)
+class Stages:
+    """What runs between a loader's DataLoader and its caller, as its `WorkerSettings` ask.
+
+    Attributes:
+        collate: makes a batch of transformed samples (the stream's leftovers are merged
+            with it; the thread engine collates with it).
+        threads: the thread engine, resolving the DataLoader's pending batches; None with
+            worker processes.
+        device: ``decode="cuda"``: decodes each planned batch on the GPU.
+    """
+
+    collate: Callable[[list[Any]], Any] = collate
+    threads: ThreadEngine | None = None
+    device: DeviceDecoder | None = None
+
+
+def _stages(settings: WorkerSettings, config: LoaderConfig, fn: Any) -> tuple[Any, Stages]:
+    """The per-sample function the view runs and the stages after the DataLoader."""
+    final: Callable[[list[Any]], Any] = collate
+    device = None
+    if settings.decode == "cuda":
+        if not isinstance(fn, ImageTransform):
+            raise LoaderConfigError(
+                f"decode='cuda' with transform={config.transform!r}: the GPU decodes the image "
+                "transforms only; pass transform 'train' or 'eval', or decode='cpu'"
+            )
+        device = DeviceDecoder(decode_device(), config.image_size)
+        fn, final = PlannedTransform(fn), collate_planned
+    if not settings.threads:
+        return fn, Stages(final, None, device)
+    depth = settings.prefetch_factor or 2
+    threads = ThreadEngine(settings.threads, depth, settings.pin_memory, final)
+    return threads.deferred(fn), Stages(final, threads, device)
+
+
 class PreparedLoader(torch.utils.data.DataLoader):
     """A DataLoader whose order and state are dlpipe's own (see the module docstring), whose
     workers never die of a stop signal meant for the main process, and whose `close` ends them.
@@ -117,9 +160,10 @@ class PreparedLoader(torch.utils.data.DataLoader):
     ``len(loader)`` is the exact number of batches this rank yields in a whole epoch.
     """
 
-    def __init__(self, dataset: Any, engine: ThreadEngine | None = None, **options: Any) -> None:
+    def __init__(self, dataset: Any, stages: Stages | None = None, **options: Any) -> None:
         self._stream = isinstance(dataset, StreamView)
-        self._engine = engine  # the thread engine's pool, or None: torch's workers
+        self._stages = stages or Stages()
+        self._engine = self._stages.threads  # the thread engine's pool, or None: torch's
         if self._stream:  # the workers batch; what they leave over is merged here
             self._batch_size, self._drop_last = options.pop("batch_size"), options.pop("drop_last")
             options.pop("collate_fn", None)
@@ -163,6 +207,8 @@ class PreparedLoader(torch.utils.data.DataLoader):
         self._pass, self._inner = progress, inner
         source = inner if self._engine is None else self._engine.batches(inner)
         batches = self._merged(source, progress) if self._stream else source
+        if self._stages.device is not None:
+            batches = map(self._stages.device, batches)
         return self._counted(batches, progress, self._generation)
 
     def _counted(self, batches: Iterator[Any], progress: _Pass, generation: int) -> Iterator[Any]:
@@ -199,7 +245,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
             yield self._take_left(progress, left, shards, len(left))
 
     def _take_left(self, progress: _Pass, left: list[Any], shards: list[int], count: int) -> Any:
-        batch = collate(left[:count])
+        batch = self._stages.collate(left[:count])
         self._note(progress, shard_runs(shards[:count]))
         del left[:count], shards[:count]
         return batch
@@ -315,6 +361,7 @@ def make_loader(
     prefetch_factor: int | None = None,
     pin_memory: bool | None = None,
     engine: str | None = None,
+    decode: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
     profile: str | LoaderProfile | None = "auto",
@@ -340,6 +387,10 @@ def make_loader(
         num_workers, prefetch_factor, pin_memory, engine: each one given overrides that field
             of the worker settings (the profile's too); ``engine="threads"`` transforms on
             ``num_workers`` threads in this process instead of worker processes.
+        decode: ``"auto"`` (default): the worker settings' (``"cpu"`` unless a profile
+            measured the GPU faster); ``"cpu"``; or ``"cuda"``: the workers read bytes and
+            plan the crop, each batch is decoded and cropped on the GPU and yielded there
+            (`dlpipe.loading.device_decode`).
         rank, world_size: this process's part (default: torch.distributed or RANK/WORLD_SIZE).
         profile: with ``workers="auto"``, a `LoaderProfile` to use instead of the saved one,
             or None for the defaults.
@@ -348,6 +399,7 @@ def make_loader(
 
     Raises:
         LoaderConfigError: a config or worker field breaks its rule (named).
+        DecodeDeviceError: ``decode="cuda"`` without a CUDA device.
         ManifestError, ManifestNotFoundError, DatasetChangedError: the dataset cannot be read.
     """
     fields = {"image_size": image_size, "min_crop_scale": min_crop_scale, "seed": seed}
@@ -361,15 +413,11 @@ def make_loader(
         prefetch_factor=prefetch_factor,
         pin_memory=pin_memory,
         engine=engine,
+        decode=None if decode == "auto" else decode,
     )
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
-    fn: Any = make_transform(config, dataset)
-    threads: ThreadEngine | None = None
-    collate_fn: Callable[[list[Any]], Any] = collate
-    if settings.threads:
-        depth = settings.prefetch_factor or 2
-        threads = ThreadEngine(settings.threads, depth, settings.pin_memory)
-        fn, collate_fn = threads.deferred(fn), collate_pending
+    fn, stages = _stages(settings, config, make_transform(config, dataset))
+    collate_fn = collate_pending if stages.threads else stages.collate
     shuffle, seed, batch_size = bool(config.shuffle), config.seed, config.batch_size
     drop_last = bool(config.drop_last)
     options: dict[str, Any] = {
@@ -385,9 +433,9 @@ def make_loader(
     placement |= {"shuffle": shuffle, "seed": seed}
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(len(dataset), drop_last=drop_last, block=batch_size, **placement)
-        return PreparedLoader(MapView(dataset, fn), threads, sampler=sampler, **options)
+        return PreparedLoader(MapView(dataset, fn), stages, sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
     view = StreamView.build(
         dataset, fn, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn, **placement
     )
-    return PreparedLoader(view, threads, **options)
+    return PreparedLoader(view, stages, **options)

@@ -13,7 +13,8 @@ SHA-256 of the dataset's absolute path or URL. Schema version 1::
       "schema": "dlpipe.loader-profiles", "schema_version": 1,
       "profiles": [
         {"num_workers": 4, "prefetch_factor": 2, "pin_memory": true,
-         "persistent_workers": true, "engine": "processes", "samples_per_s": 1234.5,
+         "persistent_workers": true, "engine": "processes", "decode": "cpu",
+         "samples_per_s": 1234.5,
          "machine": {"cpus": 16, "gpu": "NVIDIA H200", "torch": "2.4.0"},
          "loader": {"split": "train", "batch_size": 256, "transform": "train",
                     "image_size": 224, "min_crop_scale": 0.08},  # null unless "train"
@@ -23,7 +24,8 @@ SHA-256 of the dataset's absolute path or URL. Schema version 1::
 
 A ``loader`` key without ``min_crop_scale`` (written before the tuner measured the crop scale)
 was measured with the default crop, 0.08, and is read as such; a profile without ``engine``
-(written before the thread engine) is a ``processes`` one.
+(written before the thread engine) is a ``processes`` one, and one without ``decode`` decodes
+on the CPU.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class LoaderProfile:
             "pin_memory": s.pin_memory,
             "persistent_workers": s.persistent_workers,
             "engine": s.engine,
+            "decode": s.decode,
             "samples_per_s": self.samples_per_s,
             "machine": dict(self.machine),
             "loader": dict(self.loader),
@@ -125,6 +128,7 @@ class LoaderProfile:
                 pin_memory=_flag(data["pin_memory"], "pin_memory"),
                 persistent_workers=_flag(data["persistent_workers"], "persistent_workers"),
                 engine=data.get("engine", "processes"),  # profiles before the thread engine
+                decode=data.get("decode", "cpu"),  # and before the GPU decode
             )
             return cls(
                 settings=settings,
@@ -284,11 +288,12 @@ def select_profile(
         return None
     chosen, source = found
     log.info(
-        "using loader profile from %s: engine=%s num_workers=%d prefetch_factor=%s "
+        "using loader profile from %s: engine=%s num_workers=%d decode=%s prefetch_factor=%s "
         "pin_memory=%s (measured %.0f samples/s)",
         source,
         chosen.settings.engine,
         chosen.settings.num_workers,
+        chosen.settings.decode,
         chosen.settings.prefetch_factor,
         chosen.settings.pin_memory,
         chosen.samples_per_s,

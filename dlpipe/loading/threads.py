@@ -31,10 +31,12 @@ __all__ = ["Deferred", "PendingBatch", "ThreadEngine", "ahead", "collate_pending
 
 class ThreadEngine:
     """One loader's pool of `threads` threads (made at the first submission, again after
-    `close`), `depth` batches queued ahead, batches pinned when `pin`."""
+    `close`), `depth` batches queued ahead, collated by `collate`, pinned when `pin`."""
 
-    def __init__(self, threads: int, depth: int, pin: bool) -> None:
-        self.threads, self.depth, self.pin = threads, depth, pin
+    def __init__(
+        self, threads: int, depth: int, pin: bool, collate: Callable[[list[Any]], Any] = collate
+    ) -> None:
+        self.threads, self.depth, self.pin, self.collate = threads, depth, pin, collate
         self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -48,7 +50,7 @@ class ThreadEngine:
 
     def batches(self, items: Iterator[Any]) -> Iterator[Any]:
         """The DataLoader's pending batches (or stream pieces) resolved in order."""
-        return ahead(items, self.depth, self.pin)
+        return ahead(items, self.depth, self.pin, self.collate)
 
     def close(self) -> None:
         """Drop the queued transforms and let the threads end (a later pass starts anew)."""
@@ -80,27 +82,30 @@ def collate_pending(items: list[Future[Any]]) -> PendingBatch:
     return PendingBatch(list(items))
 
 
-def _resolve(item: Any) -> Any:
+def _resolve(item: Any, collate: Callable[[list[Any]], Any]) -> Any:
     """A pending batch (or a stream piece holding one, or its leftover futures) collated."""
     if isinstance(item, PendingBatch):
         return collate([future.result() for future in item.futures])
     if isinstance(item, Piece):
-        batch = None if item.batch is None else _resolve(item.batch)
+        batch = None if item.batch is None else _resolve(item.batch, collate)
         samples = None if item.samples is None else [f.result() for f in item.samples]
         return Piece(batch, samples, item.shards)
     return item
 
 
-def ahead(items: Iterator[Any], depth: int, pin: bool) -> Iterator[Any]:
-    """`items` resolved in order, drawn `depth` items ahead (their transforms already queued);
-    batches pinned when `pin` (what torch's pin-memory thread does for worker batches)."""
+def ahead(
+    items: Iterator[Any], depth: int, pin: bool, collate: Callable[[list[Any]], Any] = collate
+) -> Iterator[Any]:
+    """`items` resolved in order by `collate`, drawn `depth` items ahead (their transforms
+    already queued); batches pinned when `pin` (what torch's pin-memory thread does for
+    worker batches)."""
     window: deque[Any] = deque()
     for item in items:
         window.append(item)
         if len(window) > depth:
-            yield _pinned(_resolve(window.popleft()), pin)
+            yield _pinned(_resolve(window.popleft(), collate), pin)
     while window:
-        yield _pinned(_resolve(window.popleft()), pin)
+        yield _pinned(_resolve(window.popleft(), collate), pin)
 
 
 def _pinned(item: Any, pin: bool) -> Any:

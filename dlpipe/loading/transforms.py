@@ -54,12 +54,14 @@ __all__ = [
     "DECODE_MODES",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "SCALABLE_COLORSPACES",
     "CropBox",
     "ImageTransform",
     "dct_factor",
     "decode_jpeg_scaled",
     "decode_rgb",
     "image_field",
+    "jpeg_header",
     "normalize",
 ]
 
@@ -68,7 +70,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 DECODE_MODES = ("crop", "full")
 DCT_FACTORS = (8, 4, 2, 1)  # libjpeg's power-of-two DCT scales, largest first
 _RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's aspect-ratio range
-_SCALABLE_COLORSPACES = frozenset({"YCbCr", "Gray"})  # CMYK/YCCK: Pillow's conversion, full
+SCALABLE_COLORSPACES = frozenset({"YCbCr", "Gray"})  # CMYK/YCCK: Pillow's conversion, full
 
 
 class CropBox(NamedTuple):
@@ -119,6 +121,18 @@ def dct_factor(box_width: int, box_height: int, size: int) -> int:
     return 1
 
 
+def jpeg_header(data: bytes) -> tuple[int, int, str] | None:
+    """A JPEG's (height, width, colour space: ``YCbCr``, ``Gray``, ``CMYK`` or ``YCCK``) from
+    its header, or None: not a JPEG, a header libjpeg-turbo refuses, or no simplejpeg."""
+    if simplejpeg is None or not data.startswith(b"\xff\xd8"):
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    return int(height), int(width), str(colorspace)
+
+
 def decode_jpeg_scaled(data: bytes, factor: int) -> torch.Tensor | None:
     """A YCbCr or greyscale JPEG decoded at DCT scale 1/`factor`: uint8 (3, ceil(H/k), ceil(W/k)).
 
@@ -127,13 +141,13 @@ def decode_jpeg_scaled(data: bytes, factor: int) -> torch.Tensor | None:
     JPEGs convert to RGB as Pillow does on the full path), or libjpeg-turbo refuses them here
     (the full path then names the error).
     """
-    if simplejpeg is None or not data.startswith(b"\xff\xd8"):
+    header = jpeg_header(data)
+    if header is None or header[2] not in SCALABLE_COLORSPACES:
         return None
+    assert simplejpeg is not None  # jpeg_header read the header through it
+    height, width, _ = header
+    shape = (-(-height // factor), -(-width // factor))  # libjpeg rounds scaled sizes up
     try:
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-        if colorspace not in _SCALABLE_COLORSPACES:
-            return None
-        shape = (-(-height // factor), -(-width // factor))  # libjpeg rounds scaled sizes up
         array = simplejpeg.decode_jpeg(
             data, colorspace="RGB", min_height=shape[0], min_width=shape[1]
         )

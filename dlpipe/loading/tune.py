@@ -312,9 +312,10 @@ def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None)
     counts = _worker_counts(config.worker_limit())
     best = _climb(run, [Trial(n, 2 if n else None, False) for n in counts], cores)
     threads = [Trial(n, 2, False, engine="threads") for n in counts if n]
-    fastest_thread = _climb(run, threads, cores)
-    if fastest_thread.samples_per_s > best.samples_per_s:
-        best = fastest_thread
+    if threads:  # none with --max-workers 0
+        fastest_thread = _climb(run, threads, cores)
+        if fastest_thread.samples_per_s > best.samples_per_s:
+            best = fastest_thread
     if best.num_workers:
         for prefetch in (4, 8):
             trial = run(Trial(best.num_workers, prefetch, False, engine=best.engine))

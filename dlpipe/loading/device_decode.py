@@ -1,0 +1,176 @@
+"""Decode on the GPU: the workers read bytes and plan the crop, the batch decodes on the device.
+
+With ``decode="cuda"`` a loader's workers (or threads) do no pixel work for a JPEG: each reads
+the header (size, colour space), checks the pixel limit, draws the train crop's box and flip
+from the sample's seeded generator (the very draws the CPU path makes, so a GPU-decoded sample
+is the CPU-decoded one within decoder and interpolation error) or computes the eval resize and
+centre crop, and sends the encoded bytes with that plan (`EncodedImage`). The main process
+decodes the whole batch in one call (``torchvision.io.decode_jpeg`` on a list, batched nvJPEG
+on CUDA), then crops, resizes (bilinear, antialiased), flips and rounds each image on the
+device and stacks them: the loader yields uint8 (N, 3, S, S) batches already on the GPU.
+
+What nvJPEG cannot take here (PNG, WebP, CMYK/YCCK JPEGs) is decoded on the CPU in the worker
+as before and travels as a finished crop; the batch mixes both. A JPEG that fails on the device
+is retried alone to name its sample (`FieldDecodeError`), as the CPU path names it.
+
+The same code runs on the CPU device (torchvision's CPU ``decode_jpeg``): that is how it is
+tested on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as nnf
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from dlpipe.codecs import check_image_pixels, stable_message
+from dlpipe.errors import DlpipeError, FieldDecodeError
+from dlpipe.loading.transforms import SCALABLE_COLORSPACES, ImageTransform, jpeg_header
+from dlpipe.sample import KEY_FIELD, Sample
+
+__all__ = [
+    "DecodeDeviceError",
+    "DeviceDecoder",
+    "EncodedImage",
+    "PlannedTransform",
+    "collate_planned",
+    "decode_device",
+]
+
+
+class DecodeDeviceError(DlpipeError, ValueError):
+    """``decode="cuda"`` was asked for where no CUDA device (or no nvJPEG) is."""
+
+
+def decode_device() -> torch.device:
+    """The device ``decode="cuda"`` decodes on: the current CUDA device.
+
+    Raises:
+        DecodeDeviceError: torch sees no CUDA device here.
+    """
+    if not torch.cuda.is_available():
+        raise DecodeDeviceError(
+            "decode='cuda' needs a CUDA device, and torch.cuda.is_available() is False here; "
+            "pass decode='cpu' (or leave it to the saved profile)"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class EncodedImage(NamedTuple):
+    """A JPEG to decode on the device and what to do with it there.
+
+    ``plan`` is int64 (7,): ``top, left, height, width`` of the crop, ``flip``, and the size
+    ``resize_h, resize_w`` the whole image is resized to first (0, 0: crop the full-size image
+    and resize the crop to the output size, the train recipe; else resize, then crop the
+    output-size window at ``top, left``, the eval recipe).
+    """
+
+    data: torch.Tensor
+    plan: torch.Tensor
+    key: str
+
+
+class PlannedTransform:
+    """The worker side of ``decode="cuda"``: an `ImageTransform`'s plan instead of its pixels
+    for a JPEG the device decodes; the transform itself for anything else. Picklable."""
+
+    seeded_by_position = True  # takes (epoch, index), as the transform it wraps
+
+    def __init__(self, transform: ImageTransform) -> None:
+        self.transform = transform
+
+    def __call__(self, sample: Sample, epoch: int = 0, index: int = 0) -> tuple[Any, int]:
+        t = self.transform
+        data = bytes(sample[t.field])  # type: ignore[arg-type]
+        header = jpeg_header(data)
+        if header is None or header[2] not in SCALABLE_COLORSPACES:  # nvJPEG: YCbCr, grey
+            return t(sample, epoch, index)
+        try:
+            width, height = check_image_pixels(data, t.max_pixels)
+        except FieldDecodeError as exc:
+            key = sample.get(KEY_FIELD, "?")
+            raise type(exc)(f"sample {key!r} field {t.field!r}: {exc}") from None
+        plan = torch.tensor(self._plan(width, height, epoch, index), dtype=torch.int64)
+        label = int(bytes(sample["cls"])) if "cls" in sample else -1  # type: ignore[arg-type]
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return EncodedImage(raw, plan, str(sample.get(KEY_FIELD, "?"))), label
+
+    def _plan(self, width: int, height: int, epoch: int, index: int) -> list[int]:
+        t, size = self.transform, self.transform.image_size
+        if t.recipe == "train":
+            generator = t.generator(epoch, index)
+            box = t.sample_box(width, height, generator)
+            flip = bool(torch.rand(1, generator=generator) < 0.5)  # the CPU path's draw
+            return [*box, int(flip), 0, 0]
+        short, long = sorted((width, height))  # v2.Resize(round(size / 0.875)) + CenterCrop
+        resize = round(size / 0.875)
+        new_short, new_long = resize, int(resize * long / short)
+        new_h, new_w = (new_short, new_long) if height <= width else (new_long, new_short)
+        top, left = round((new_h - size) / 2.0), round((new_w - size) / 2.0)
+        return [top, left, size, size, 0, new_h, new_w]
+
+
+def collate_planned(items: list[tuple[Any, int]]) -> tuple[list[Any], torch.Tensor]:
+    """A batch of planned samples: their payloads (`EncodedImage` or a finished uint8 crop)
+    and the labels as int64 (N,)."""
+    return [payload for payload, _ in items], torch.tensor([label for _, label in items])
+
+
+class DeviceDecoder:
+    """The main-process side of ``decode="cuda"``: a planned batch → uint8 (N, 3, S, S) on
+    `device`, labels as they came."""
+
+    def __init__(self, device: torch.device, image_size: int) -> None:
+        self.device, self.size = device, image_size
+
+    def __call__(self, batch: tuple[list[Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        payloads, labels = batch
+        out = torch.empty((len(payloads), 3, self.size, self.size), dtype=torch.uint8)
+        out = out.to(self.device)
+        encoded = [(i, p) for i, p in enumerate(payloads) if isinstance(p, EncodedImage)]
+        images = self._decode([p for _, p in encoded])
+        for (i, payload), image in zip(encoded, images, strict=True):
+            out[i] = self._finish(image, payload.plan.tolist())
+        for i, payload in enumerate(payloads):
+            if not isinstance(payload, EncodedImage):
+                out[i] = payload.to(self.device, non_blocking=True)
+        return out, labels
+
+    def _decode(self, encoded: list[EncodedImage]) -> list[torch.Tensor]:
+        if not encoded:
+            return []
+        datas = [p.data for p in encoded]
+        try:
+            return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device))
+        except RuntimeError:
+            pass  # one bad JPEG fails the whole call: decode each to name it
+        images = []
+        for payload in encoded:
+            try:
+                images.append(decode_jpeg(payload.data, mode=ImageReadMode.RGB, device=self.device))
+            except RuntimeError as exc:
+                raise FieldDecodeError(
+                    f"sample {payload.key!r}: the JPEG does not decode on {self.device}: "
+                    f"{stable_message(exc)}"
+                ) from None
+        return images
+
+    def _finish(self, image: torch.Tensor, plan: list[int]) -> torch.Tensor:
+        top, left, height, width, flip, resize_h, resize_w = plan
+        pixels = image.unsqueeze(0).float()
+        if resize_h:  # eval: resize the whole image, then the centre window
+            pixels = _resize(pixels, resize_h, resize_w)
+            pixels = pixels[..., top : top + height, left : left + width]
+        else:  # train: the box of the full image, resized to the output size
+            pixels = _resize(pixels[..., top : top + height, left : left + width], self.size)
+        pixels = pixels.flip(-1) if flip else pixels
+        return pixels.round_().clamp_(0, 255).to(torch.uint8)[0]
+
+
+def _resize(pixels: torch.Tensor, height: int, width: int | None = None) -> torch.Tensor:
+    size = (height, width if width is not None else height)
+    if tuple(pixels.shape[-2:]) == size:
+        return pixels
+    return nnf.interpolate(pixels, size=size, mode="bilinear", antialias=True, align_corners=False)
