@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dlpipe.cli import main
 from dlpipe.train.config import ConfigError, load_config, plan_batches, to_toml
@@ -45,6 +46,13 @@ def test_a_bad_config_file_is_named_with_the_key_and_the_fix(tmp_path, text, mes
         load_config(str(path), {})
 
 
+def test_a_decode_device_from_a_config_file_is_checked(tmp_path) -> None:
+    path = tmp_path / "gpu.toml"
+    path.write_text('[data]\npath = "d"\ndecode = "gpu"\n')
+    with pytest.raises(ConfigError, match="data.decode = 'gpu' must be auto, cpu or cuda"):
+        load_config(str(path), {}).validate()
+
+
 def test_batch_plan_derives_micro_batch_and_accumulation() -> None:
     plan = plan_batches(256, 4, 32)
     assert (plan.micro_batch, plan.accumulation) == (32, 2)
@@ -66,6 +74,11 @@ def test_batch_plan_derives_micro_batch_and_accumulation() -> None:
         (["DATA", "--model", "resnet1"], "not a torchvision classification model"),
         (["DATA", "--model", "no_such_pkg:f"], "cannot import no_such_pkg"),
         (["DATA", "--label-smoothing", "1.5"], "label_smoothing = 1.5 must be in"),
+        pytest.param(
+            ["DATA", "--decode", "cuda"],
+            "decode='cuda' needs a CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU machine"),
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_error_line(

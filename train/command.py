@@ -72,6 +72,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-split")
     p.add_argument("--val-split", help='split to validate on ("val"; "" for none)')
     p.add_argument("--num-workers", type=int, help="loader workers (bench-loader's choice)")
+    p.add_argument(
+        "--decode",
+        choices=["auto", "cpu", "cuda"],
+        help="where JPEGs are decoded: cuda decodes each batch on the GPU (auto: the profile's)",
+    )
     p.add_argument("--keep-last", type=int, help="step checkpoints kept (2), plus best.pt")
     p.add_argument("--checkpoint-every", type=int, help="also checkpoint every N steps")
     p.add_argument("--log-every", type=int, help="log the step loss every N steps (20)")

@@ -63,6 +63,7 @@ class DataConfig:
     image_size: int = 224
     min_crop_scale: float = 0.08  # RandomResizedCrop's smallest area share (timm's --scale)
     num_workers: int | None = None  # None: the bench-loader profile, else all cores but one
+    decode: str = "auto"  # "auto": the bench-loader profile's (else cpu), "cpu" or "cuda"
 
 
 @dataclass(kw_only=True)
@@ -206,6 +207,10 @@ class TrainConfig:
             f"optim.clip_grad = {o.clip_grad} must be positive (leave it unset for no clipping)",
         )
         _require(0 <= o.momentum < 1, f"optim.momentum = {o.momentum} must be in [0, 1)")
+        _require(
+            d.decode in ("auto", "cpu", "cuda"),
+            f"data.decode = {d.decode!r} must be auto, cpu or cuda (where JPEGs are decoded)",
+        )
         _require(
             0 < d.min_crop_scale <= 1,
             f"data.min_crop_scale = {d.min_crop_scale} must be in (0, 1]",
