@@ -1,0 +1,252 @@
+"""GPU check: what dlpipe needs of a GPU machine, in one run under 5 minutes, written to JSON.
+
+    python benchmarks/gpu_check.py     # writes benchmarks/results/gpu_check.{json,md}
+
+Each check runs on its own and records its figures or its error, so one failure never hides
+the others:
+
+1. **amp**: ResNet-50 train steps at 224 px, batch 64, channels-last: bf16 autocast, and fp16
+   autocast with a GradScaler; finite losses, steps/s (after warm-up, synchronised).
+2. **copies**: host-to-device GB/s of a 9.6 MB uint8 batch (64 x 3 x 224 x 224) from pinned
+   memory (``non_blocking``) and from pageable memory.
+3. **nccl**: a one-rank NCCL process group on this GPU (TCP rendezvous on 127.0.0.1): an
+   ``all_reduce`` and a ``broadcast`` give the expected values.
+4. **decode**: the corpus's JPEGs (photo-like, ~100 KB, ~400 x 350 px) decoded in batches of
+   256 by ``torchvision.io.decode_jpeg(device="cuda")`` (nvJPEG), images/s, against
+   simplejpeg on one CPU core; and dlpipe's device decoder (decode + crop + resize + flip).
+5. **train**: ``dlpipe train`` ResNet-50, 224 px, batch 256, bf16, two epochs of the corpus
+   converted to lmdb, with the CPU loader (``--decode cpu``) and with GPU decode
+   (``--decode cuda``): samples/s and data wait of the second epoch (from ``metrics.jsonl``).
+   The goal is data wait < 5 %.
+
+Without CUDA every check records ``skipped`` (the script itself still runs: CI can import
+it). ``--images`` sets the corpus size (default 5,120: 20 steps of 256 per epoch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import convert_corpus, dlpipe_executable, generated_line, log, write_results
+from corpus import cached_corpus, corpus_files
+from machine import machine_info
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+GOAL_DATA_WAIT = 0.05
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def check_amp() -> dict[str, Any]:
+    import torchvision
+
+    out: dict[str, Any] = {}
+    x = torch.randn(64, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (64,), device="cuda")
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16_gradscaler", torch.float16)):
+        model = torchvision.models.resnet50(num_classes=1000).cuda()
+        model = model.to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+        losses, times = [], []
+        for step in range(25):
+            start = time.perf_counter()
+            with torch.autocast("cuda", dtype=dtype):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(float(loss))  # synchronises
+            if step >= 5:
+                times.append(time.perf_counter() - start)
+        out[name] = {
+            "finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "steps_per_s": len(times) / sum(times),
+            "samples_per_s": 64 * len(times) / sum(times),
+        }
+    return out
+
+
+def check_copies() -> dict[str, Any]:
+    batch = torch.randint(0, 255, (64, 3, 224, 224), dtype=torch.uint8)
+    pinned = batch.pin_memory()
+    out: dict[str, Any] = {"bytes": batch.numel()}
+    for name, source, non_blocking in (("pinned", pinned, True), ("pageable", batch, False)):
+        for _ in range(3):
+            source.to("cuda", non_blocking=non_blocking)
+        _sync()
+        start = time.perf_counter()
+        for _ in range(50):
+            copy = source.to("cuda", non_blocking=non_blocking)
+        _sync()
+        seconds = time.perf_counter() - start
+        out[f"{name}_gb_per_s"] = 50 * batch.numel() / seconds / 1e9
+        out[f"{name}_equal"] = bool(torch.equal(copy.cpu(), batch))
+    return out
+
+
+def check_nccl() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        value = torch.arange(4, device="cuda", dtype=torch.float32)
+        dist.all_reduce(value)
+        source = torch.full((3,), 7.0, device="cuda")
+        dist.broadcast(source, src=0)
+        _sync()
+        return {
+            "backend": dist.get_backend(),
+            "all_reduce_ok": value.tolist() == [0.0, 1.0, 2.0, 3.0],
+            "broadcast_ok": source.tolist() == [7.0, 7.0, 7.0],
+            "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def check_decode(files: list[str]) -> dict[str, Any]:
+    import simplejpeg
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from dlpipe.loading.device_decode import DeviceDecoder, PlannedTransform
+    from dlpipe.loading.transforms import ImageTransform
+
+    blobs = [Path(p).read_bytes() for p in files]
+    datas = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
+    out: dict[str, Any] = {"images": len(blobs)}
+    decode_jpeg(datas[:256], mode=ImageReadMode.RGB, device="cuda")  # warm-up (nvJPEG init)
+    _sync()
+    start = time.perf_counter()
+    for i in range(0, len(datas), 256):
+        decode_jpeg(datas[i : i + 256], mode=ImageReadMode.RGB, device="cuda")
+    _sync()
+    out["nvjpeg_images_per_s"] = len(datas) / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for b in blobs[:500]:
+        simplejpeg.decode_jpeg(b)
+    out["simplejpeg_images_per_s_one_core"] = min(500, len(blobs)) / (time.perf_counter() - start)
+    planner = PlannedTransform(ImageTransform("train", 224, "jpg"))
+    decoder = DeviceDecoder(torch.device("cuda"), 224)
+    planned = [planner({"jpg": b, "cls": b"0"}, 0, i) for i, b in enumerate(blobs)]
+    batches = [planned[i : i + 256] for i in range(0, len(planned), 256)]
+    labels = torch.zeros(256, dtype=torch.int64)
+    decoder(([p for p, _ in batches[0]], labels))
+    _sync()
+    start = time.perf_counter()
+    for batch in batches:
+        decoder(([p for p, _ in batch], labels[: len(batch)]))
+    _sync()
+    out["device_decoder_images_per_s"] = len(planned) / (time.perf_counter() - start)
+    return out
+
+
+def _train(data: str, decode: str, work: str) -> dict[str, Any]:
+    run = os.path.join(work, f"run-{decode}")
+    cmd = [dlpipe_executable(), "train", data, "--model", "resnet50", "--epochs", "2"]
+    cmd += ["--batch-size", "256", "--image-size", "224", "--precision", "bf16"]
+    cmd += ["--channels-last", "--val-split", "", "--decode", decode, "--resume", "none"]
+    cmd += ["--out", run]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    if proc.returncode != 0:
+        raise RuntimeError(f"dlpipe train --decode {decode} failed:\n{proc.stderr[-2000:]}")
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        epochs = [r for r in map(json.loads, f) if r.get("event") == "epoch"]
+    last = epochs[-1]
+    return {
+        "samples_per_s": last["samples_per_s"],
+        "data_wait": last["data_wait"],
+        "goal_met": last["data_wait"] < GOAL_DATA_WAIT,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def check_train(root: str, work: str) -> dict[str, Any]:
+    data = os.path.join(work, "corpus-lmdb")
+    convert_s = convert_corpus(root, "lmdb", data)
+    out: dict[str, Any] = {"convert_s": convert_s}
+    for decode in ("cpu", "cuda"):
+        try:
+            out[decode] = _train(data, decode, work)
+        except Exception as exc:  # the other decode still runs
+            out[decode] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
+    return out
+
+
+def _run(name: str, check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    start = time.perf_counter()
+    try:
+        result = check()
+    except Exception:
+        result = {"error": traceback.format_exc()[-2000:]}
+    result["seconds"] = time.perf_counter() - start
+    log(f"  {name}: {json.dumps(result)[:300]}")
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = ["# GPU check", "", generated_line(result), "", f"Device: {result['device']}.", ""]
+    for name, figures in result["checks"].items():
+        lines += [f"## {name}", "", "```json", json.dumps(figures, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--images", type=int, default=5120, help="corpus size (5,120)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    checks: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="dlpipe-gpu-check-") as work:
+        root = ""
+        if torch.cuda.is_available():
+            root, _ = cached_corpus(None, args.images, 0)
+        checks["amp"] = _run("amp", check_amp)
+        checks["copies"] = _run("copies", check_copies)
+        checks["nccl"] = _run("nccl", check_nccl)
+        checks["decode"] = _run("decode", lambda: check_decode(corpus_files(root)))
+        checks["train"] = _run("train", lambda: check_train(root, work))
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    result = {
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": {
+            "images": args.images,
+            "command": "python benchmarks/gpu_check.py",
+            "json_name": "gpu_check.json",
+        },
+        "machine": machine_info(torch=torch.__version__, cuda=torch.version.cuda),
+        "device": device,
+        "checks": checks,
+        "total_s": time.perf_counter() - started,
+    }
+    write_results(args.out, "gpu_check", result, markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
