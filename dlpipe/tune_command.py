@@ -96,7 +96,8 @@ def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
                 escape(trial.skipped) if trial.skipped else f"{trial.samples_per_s:.0f} samples/s"
             )
             console.print(
-                f"  {trial.engine}={trial.num_workers} prefetch={trial.prefetch_factor} "
+                f"  {trial.engine}={trial.num_workers} decode={trial.decode} "
+                f"prefetch={trial.prefetch_factor} "
                 f"pin={trial.pin_memory}: {what}"
             )
 
@@ -134,7 +135,14 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
         stages.add_row(name, f"{rate:.0f}")
     console.print(stages)
     trials = Table(
-        "engine", "num_workers", "prefetch", "pin_memory", "samples/s", "worker RSS", title="trials"
+        "engine",
+        "num_workers",
+        "decode",
+        "prefetch",
+        "pin_memory",
+        "samples/s",
+        "worker RSS",
+        title="trials",
     )
     for t in report.trials:
         shown = escape(t.skipped) if t.skipped else f"{t.samples_per_s:.0f}"
@@ -142,6 +150,7 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
         trials.add_row(
             t.engine,
             str(t.num_workers),
+            t.decode,
             str(t.prefetch_factor),
             str(t.pin_memory),
             shown + mark,
@@ -151,7 +160,7 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
     best = report.best
     assert best is not None
     console.print(
-        f"chosen: engine={best.engine} num_workers={best.num_workers} "
+        f"chosen: engine={best.engine} num_workers={best.num_workers} decode={best.decode} "
         f"prefetch_factor={best.prefetch_factor} "
         f"pin_memory={best.pin_memory} ({best.samples_per_s:.0f} samples/s)"
     )

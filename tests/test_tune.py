@@ -88,3 +88,26 @@ def test_verdict_names_the_stage_that_costs_most() -> None:
     slow_read = tune.StageRates(read=100, decode=95, transform=94, collate=93, read_mb_per_s=5)
     stage, advice = tune.verdict(slow_read, best, cores=2, image_size=224)
     assert stage == "read" and "NVMe" in advice
+
+
+@pytest.mark.parametrize(("gpu_gain", "kept"), [(2.0, "GPU decode kept"), (0.5, "CPU decode kept")])
+def test_a_gpu_target_measures_gpu_decode_and_the_verdict_says_why(
+    gpu_gain, kept, make_dataset, monkeypatch
+) -> None:
+    def fake(config, trial, seconds):
+        gain = gpu_gain if trial.decode == "cuda" else 1.0
+        trial.samples_per_s = 100.0 * (min(trial.num_workers, 2) + 1) * gain
+        return trial
+
+    monkeypatch.setattr(tune, "run_trial", fake)
+    monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
+    config = tune.BenchConfig(path=make_dataset("lmdb"), max_workers=2, device="cuda")
+    trials = tune.search(config)
+    gpu = [t for t in trials if t.decode == "cuda"]
+    assert len(gpu) == 1 and gpu[0].pin_memory
+    best = max(trials, key=lambda t: t.samples_per_s)
+    assert (best.decode == "cuda") == (gpu_gain > 1)
+    advice = tune.decode_verdict(trials)
+    assert advice.startswith(f"; {kept}: decoding each batch on the GPU gave")
+    assert f"{gpu_gain:.2f}x" in advice
+    assert tune.decode_verdict([t for t in trials if t.decode == "cpu"]) == ""

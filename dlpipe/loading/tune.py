@@ -12,7 +12,8 @@ saves is keyed by exactly that config and found again by the loader that uses it
    core count (one worker is no faster than none, so an early dip means nothing), then
    until two trials in a row are slower; then the thread engine's thread count the same
    way (1, 2, 3, ...: `dlpipe.loading.threads`); then ``prefetch_factor`` for the faster of
-   the two, then ``pin_memory`` when a GPU is the target: a handful of trials, not the grid.
+   the two, then ``pin_memory`` and GPU decode (``decode="cuda"``: the batch decoded and
+   cropped on the GPU) when a GPU is the target: a handful of trials, not the grid.
    The winner's engine is saved with it, so ``make_loader`` runs what was measured fastest.
 3. **RAM budget**: worker memory (RSS, measured) is scaled to the next worker count; a trial
    that would not fit in 80 % of the available memory is skipped and says so (threads share
@@ -46,6 +47,7 @@ __all__ = [
     "StageRates",
     "Trial",
     "bench_loader",
+    "decode_verdict",
     "save_winner",
     "verdict",
 ]
@@ -121,6 +123,7 @@ class Trial:
     worker_rss_bytes: int = 0
     skipped: str | None = None
     engine: str = "processes"
+    decode: str = "cpu"
 
     def settings(self) -> WorkerSettings:
         """The worker settings this trial measures (workers persist when there are any)."""
@@ -130,6 +133,7 @@ class Trial:
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0 and self.engine == "processes",
             engine=self.engine,
+            decode=self.decode,
         )
 
     def describe(self) -> str:
@@ -260,6 +264,8 @@ def _measure(batches: Iterator[Any], trial: Trial, seconds: float) -> None:
         while time.perf_counter() - start < window:
             images, _ = next(batches)
             count += len(images)
+        if isinstance(images, torch.Tensor) and images.is_cuda:
+            torch.cuda.synchronize()  # a GPU-decoded batch is done when its kernels are
         rates.append(count / (time.perf_counter() - start))
         if len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= 0.05 * max(rates[-2], 1e-9):
             break
@@ -323,8 +329,26 @@ def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None)
                 break
             best = trial
     if config.device == "cuda" and torch.cuda.is_available():
-        run(Trial(best.num_workers, best.prefetch_factor, True, engine=best.engine))
+        settings = (best.num_workers, best.prefetch_factor, True)
+        run(Trial(*settings, engine=best.engine))
+        run(Trial(*settings, engine=best.engine, decode="cuda"))  # the batch decoded on the GPU
     return trials
+
+
+def decode_verdict(trials: list[Trial]) -> str:
+    """Why the GPU or the CPU decodes (empty when GPU decode was not measured)."""
+    measured = [t for t in trials if not t.skipped]
+    gpu = [t for t in measured if t.decode == "cuda"]
+    if not gpu:
+        return ""
+    cpu = max((t for t in measured if t.decode == "cpu"), key=lambda t: t.samples_per_s)
+    fast = max(gpu, key=lambda t: t.samples_per_s)
+    ratio = fast.samples_per_s / max(cpu.samples_per_s, 1e-9)
+    kept = "GPU decode kept" if ratio > 1 else "CPU decode kept"
+    return (
+        f"; {kept}: decoding each batch on the GPU gave {fast.samples_per_s:.0f} samples/s, "
+        f"{ratio:.2f}x the {cpu.samples_per_s:.0f} of decoding in the workers"
+    )
 
 
 def _climb(run: Callable[[Trial], Trial], ladder: list[Trial], cores: int) -> Trial:
@@ -396,6 +420,7 @@ def bench_loader(
     report.bottleneck, report.advice = verdict(
         stages, report.best, usable_cpus(), config.loader.image_size
     )
+    report.advice += decode_verdict(report.trials)
     return report
 
 
