@@ -25,8 +25,10 @@ e. **the 2-core full-decode limit** = cores x the best single-core rate of a *fu
    (d): only decoding less than the whole image can pass it.
 
 Each loader is built once, warmed up (max(2, W + 1) batches: worker start and first
-prefetch), then timed over a fixed number of batches (default 10, epochs wrap around), three
-times; the figure is the median window (one window with ``--quick``). Decode candidates are
+prefetch), then timed over a fixed number of batches (default 10, epochs wrap around), five
+times; the figure is the median window (one window with ``--quick``). Each row also gives the
+warm-up time (to the first batches) and the memory: the proportional set size of this process
+and its worker processes. Decode candidates are
 timed over the first images of the corpus, median of 3 passes (1 with ``--quick``).
 
 Run from the repository root, in the venv where dlpipe is installed (~4-6 min on 2 cores)::
@@ -109,6 +111,19 @@ def dlpipe_loader(path: str, workers: int, engine: str) -> Any:
     )
 
 
+def pss_bytes() -> int:
+    """Proportional set size of this process and its live children (shared pages split
+    between the processes sharing them: N workers are not N copies of torch)."""
+    total = 0
+    for pid in [os.getpid(), *(child.pid for child in multiprocessing.active_children())]:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
 def cpu_seconds() -> float:
     """CPU seconds so far of this process (all its threads) and its live child processes
     (DataLoader workers: they are children while they run)."""
@@ -138,6 +153,7 @@ def time_loader(
     for _ in range(max(2, workers + 1)):
         images, labels = next(it)
     warmup_s = time.perf_counter() - t0
+    memory = pss_bytes()
     assert images.dtype == torch.uint8 and tuple(images.shape) == (BATCH, 3, SIZE, SIZE)
     assert labels.dtype == torch.int64 and labels.shape == (BATCH,)
     rates, per_cpu = [], []
@@ -157,6 +173,7 @@ def time_loader(
         "samples_per_s": statistics.median(rates),
         "samples_per_cpu_s": statistics.median(per_cpu),
         "warmup_s": warmup_s,
+        "pss_mb": max(memory, pss_bytes()) / 1e6,
     }
 
 
@@ -483,8 +500,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Every loader measurement",
         "",
-        "| contender | workers | samples/s | samples per CPU-s | windows | warm-up s |",
-        "|---|---:|---:|---:|---|---:|",
+        "| contender | workers | samples/s | samples per CPU-s | windows | warm-up s "
+        "| memory (PSS) MB |",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in result["rows"]:
         if "error" in r:
@@ -493,7 +511,8 @@ def markdown(result: dict[str, Any]) -> str:
             windows = ", ".join(f"{x:.0f}" for x in r["rates"])
             lines.append(
                 f"| {r['contender']} | {r['workers']} | {r['samples_per_s']:,.1f} "
-                f"| {r['samples_per_cpu_s']:,.1f} | {windows} | {r['warmup_s']:.2f} |"
+                f"| {r['samples_per_cpu_s']:,.1f} | {windows} | {r['warmup_s']:.2f} "
+                f"| {r['pss_mb']:,.0f} |"
             )
     decoders = sorted(result["decoders"], key=lambda r: -r["samples_per_s_per_core"])
     fastest = decoders[0]
@@ -523,7 +542,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--images", type=int, help="corpus size (default 800; --quick 200)")
     parser.add_argument("--quick", action="store_true", help="small corpus, 1 window")
     parser.add_argument("--batches", type=int, help="batches per timed window (default 10)")
-    parser.add_argument("--windows", type=int, help="timed windows (default 3; --quick 1)")
+    parser.add_argument("--windows", type=int, help="timed windows (default 5; --quick 1)")
     parser.add_argument("--workers", type=int, nargs="+", default=list(WORKERS))
     parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip FFCV, DALI")
@@ -535,7 +554,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.images = args.images or (200 if args.quick else 800)
     args.batches = args.batches or (3 if args.quick else 10)
-    args.windows = args.windows or (1 if args.quick else 3)
+    args.windows = args.windows or (1 if args.quick else 5)
     args.decode_repeats = 1 if args.quick else 3
     return args
 

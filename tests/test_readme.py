@@ -60,7 +60,7 @@ def test_loader_example_runs_on_the_demo_output(demo_cwd) -> None:
 
 
 def test_convert_api_example_runs_on_the_demo_output(demo_cwd) -> None:
-    block = _blocks("python")[4]
+    block = _blocks("python")[5]
     assert "dlpipe.convert(" in block
     done = _run([sys.executable, "-c", block], demo_cwd)
     assert done.returncode == 0, done.stderr
@@ -73,6 +73,14 @@ def test_loader_config_example_runs_on_the_demo_output(demo_cwd) -> None:
     done = _run([sys.executable, "-c", block], demo_cwd)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(", 3, 64, 64])")
+
+
+def test_thread_engine_example_runs_on_the_demo_output(demo_cwd) -> None:
+    block = _blocks("python")[4]
+    assert 'engine="threads"' in block
+    done = _run([sys.executable, "-c", block], demo_cwd)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("torch.Size([64, 3, 64, 64])")
 
 
 def test_ten_line_training_loop_runs_on_the_demo_output(demo_cwd) -> None:
