@@ -176,7 +176,8 @@ def _tune(config: DemoConfig, data: str, console: Console) -> Any:
     best = report.best
     assert best is not None
     console.print(
-        f"3/4 tuned the loader (dlpipe bench-loader): num_workers={best.num_workers} "
+        f"3/4 tuned the loader (dlpipe bench-loader): {best.engine} "
+        f"num_workers={best.num_workers} "
         f"prefetch_factor={best.prefetch_factor} pin_memory={best.pin_memory}, "
         f"{best.samples_per_s:.0f} samples/s; saved to {escape(str(saved))}"
     )
@@ -224,7 +225,7 @@ def _summary(data: str, tuned: Any, trained: Any) -> str:
     accuracy = f"{100 * top1:.1f}%" if top1 is not None else "-"
     lines = [
         "dlpipe demo: summary",
-        f"  loader:           num_workers={best.num_workers}, prefetch_factor="
+        f"  loader:           {best.engine}, num_workers={best.num_workers}, prefetch_factor="
         f"{best.prefetch_factor}, pin_memory={best.pin_memory}: {best.samples_per_s:.0f} "
         "samples/s",
         f"  verdict:          {tuned.advice}",

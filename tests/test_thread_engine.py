@@ -121,7 +121,8 @@ def test_a_sample_that_does_not_decode_is_the_same_named_error(tmp_path, samples
 
 def test_the_engine_keyword_overrides_the_settings(make_dataset) -> None:
     loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, num_workers=3, engine="threads")
-    assert loader._engine is not None and loader._engine.threads == 3 and loader.num_workers == 0
+    threads = loader._stages.threads
+    assert threads is not None and threads.threads == 3 and loader.num_workers == 0
     with pytest.raises(LoaderConfigError, match="engine='greenlets'"):
         dlpipe.make_loader(make_dataset("wds"), batch_size=4, engine="greenlets")
 

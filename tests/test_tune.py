@@ -33,7 +33,7 @@ def test_bench_loader_reports_saves_and_make_loader_uses_it(make_dataset, capsys
     loader = dlpipe.make_loader(path, "train", batch_size=8, image_size=32)
     threads = best["engine"] == "threads"
     assert loader.num_workers == (0 if threads else best["num_workers"])
-    assert (loader._engine is not None) == threads
+    assert (loader._stages.threads is not None) == threads
     assert "using loader profile" in caplog.text
 
 
@@ -111,3 +111,26 @@ def test_a_gpu_target_measures_gpu_decode_and_the_verdict_says_why(
     assert advice.startswith(f"; {kept}: decoding each batch on the GPU gave")
     assert f"{gpu_gain:.2f}x" in advice
     assert tune.decode_verdict([t for t in trials if t.decode == "cpu"]) == ""
+
+
+def test_the_stage_table_times_the_loaders_own_crop_aware_decode(make_dataset, monkeypatch):
+    """The train recipe's decode stage is the loader's: box first, DCT-scaled JPEG decode,
+    never the full decode the old table timed."""
+    from dlpipe.loading import transforms as transforms_module
+
+    scales: list[int] = []
+    real = transforms_module.decode_jpeg_scaled
+
+    def recorded(data: bytes, factor: int):
+        scales.append(factor)
+        return real(data, factor)
+
+    def no_full_decode(*args, **kwargs):
+        raise AssertionError("the train stages decoded a JPEG in full")
+
+    monkeypatch.setattr(transforms_module, "decode_jpeg_scaled", recorded)
+    monkeypatch.setattr(tune, "decode_rgb", no_full_decode)
+    loader = dlpipe.LoaderConfig(batch_size=4, image_size=8)
+    stages = tune.measure_stages(tune.BenchConfig(path=make_dataset("lmdb"), loader=loader), 0.2)
+    assert stages.read >= stages.decode >= stages.transform >= stages.collate > 0
+    assert scales and max(scales) >= 2  # 8 px crops of 64-128 px photos decode scaled

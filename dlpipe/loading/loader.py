@@ -17,6 +17,11 @@ Workers batch their own samples; the few left over at a worker's end are merged 
 batches in the main process, so every rank yields ``len(loader)`` batches. Which worker's batch
 comes first depends on ``num_workers``; the samples of the epoch do not.
 
+The worker settings also choose the engine (torch's worker processes, or the thread engine of
+`dlpipe.loading.threads`: the 0-worker loader with each sample's transform on a pool of
+threads) and where JPEGs decode (``decode="cuda"``: `dlpipe.loading.device_decode`); both are
+`Stages` between the DataLoader and the caller, and neither changes the order or the state.
+
 `load_state_dict` applies to the next ``iter(loader)``; an iterator made before it raises
 `StaleIteratorError` at its next batch instead of going on with the old position.
 
@@ -163,7 +168,6 @@ class PreparedLoader(torch.utils.data.DataLoader):
     def __init__(self, dataset: Any, stages: Stages | None = None, **options: Any) -> None:
         self._stream = isinstance(dataset, StreamView)
         self._stages = stages or Stages()
-        self._engine = self._stages.threads  # the thread engine's pool, or None: torch's
         if self._stream:  # the workers batch; what they leave over is merged here
             self._batch_size, self._drop_last = options.pop("batch_size"), options.pop("drop_last")
             options.pop("collate_fn", None)
@@ -205,7 +209,8 @@ class PreparedLoader(torch.utils.data.DataLoader):
             assert isinstance(self.order, StreamOrder)
             self.order.take()  # the workers took the pass with them
         self._pass, self._inner = progress, inner
-        source = inner if self._engine is None else self._engine.batches(inner)
+        threads = self._stages.threads
+        source = inner if threads is None else threads.batches(inner)
         batches = self._merged(source, progress) if self._stream else source
         if self._stages.device is not None:
             batches = map(self._stages.device, batches)
@@ -284,8 +289,8 @@ class PreparedLoader(torch.utils.data.DataLoader):
         """End the worker processes (or the thread engine's threads) now (they end with the
         loader's garbage collection otherwise; a trainer that runs in-process must not leave
         them behind)."""
-        if self._engine is not None:
-            self._engine.close()
+        if self._stages.threads is not None:
+            self._stages.threads.close()
         for iterator in (getattr(self, "_iterator", None), self._inner):
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:

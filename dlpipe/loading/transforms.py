@@ -283,8 +283,16 @@ class ImageTransform:
         return image, label
 
     def _train(self, data: bytes, generator: torch.Generator) -> torch.Tensor:
-        """RandomResizedCrop + flip drawn from `generator`: box, decode, crop, flip (the full
-        path decodes the whole image and crops the same box)."""
+        """RandomResizedCrop + flip drawn from `generator`: box, decode, crop, flip."""
+        image, box = self.decode_for_crop(data, generator)
+        return self.crop_flip(image, box, generator)
+
+    def decode_for_crop(
+        self, data: bytes, generator: torch.Generator
+    ) -> tuple[torch.Tensor, CropBox]:
+        """The train recipe's decode: the box drawn from `generator`, then the image decoded
+        at the smallest DCT scale that still covers it at the output size (the whole image
+        with ``decode="full"`` or what simplejpeg cannot scale), and the box in its pixels."""
         if self.decode == "full":
             image = decode_rgb(data, self.max_pixels)
             box, factor = self.sample_box(image.shape[-1], image.shape[-2], generator), 1
@@ -296,9 +304,15 @@ class ImageTransform:
             if scaled is None:
                 scaled, factor = decode_rgb(data, self.max_pixels), 1
             image = scaled
-        top, left, box_h, box_w = _scaled_box(box, factor, image.shape[-2], image.shape[-1])
+        return image, _scaled_box(box, factor, image.shape[-2], image.shape[-1])
+
+    def crop_flip(
+        self, image: torch.Tensor, box: CropBox, generator: torch.Generator
+    ) -> torch.Tensor:
+        """The train recipe after the decode: `box` of `image` resized to the output size
+        (bilinear, antialiased), flipped on the generator's next draw."""
         size = [self.image_size, self.image_size]
-        crop = tvf.resized_crop(image, top, left, box_h, box_w, size, antialias=True)
+        crop = tvf.resized_crop(image, *box, size, antialias=True)
         flip = torch.rand(1, generator=generator) < 0.5  # v2.RandomHorizontalFlip's draw
         return (tvf.horizontal_flip(crop) if flip else crop).contiguous()
 

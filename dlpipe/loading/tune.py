@@ -5,7 +5,9 @@ transform, image size, crop scale) and searches only the `WorkerSettings`, so th
 saves is keyed by exactly that config and found again by the loader that uses it.
 
 1. **Stages**, on one process: read the samples' bytes, then + decode, + transform,
-   + collate. The per-sample cost each stage adds names the bottleneck.
+   + collate. The per-sample cost each stage adds names the bottleneck. The decode is the
+   loader's own: for the train recipe the box is drawn first and the JPEG decoded at the DCT
+   scale the box allows (`ImageTransform.decode_for_crop`), then cropped (``crop_flip``).
 2. **Search**: each trial builds `make_loader` with one setting and measures samples/s after a
    warm-up, in windows, until two windows agree within 5 % (or the trial's time is up). The
    workers are hill-climbed (0, 1, 2, 3, 4, 6, 8, ... up to ``max_workers``): always up to the
@@ -187,12 +189,23 @@ def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
     nbytes = sum(len(s[field_name]) for s in samples)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what a DataLoader worker gets
-    start = time.perf_counter()
-    images = [decode_rgb(s[field_name]) for s in samples]
-    decode_s = time.perf_counter() - start
-    start = time.perf_counter()
-    crops = [transform.ops()(image) for image in images]
-    transform_s = time.perf_counter() - start
+    datas = [bytes(s[field_name]) for s in samples]
+    if transform.recipe == "train":  # the loader's own decode (DCT-scaled to the box), then crop
+        generators = [transform.generator(0, i) for i in range(len(datas))]
+        start = time.perf_counter()
+        pairs = list(zip(datas, generators, strict=True))
+        decoded = [transform.decode_for_crop(d, g) for d, g in pairs]
+        decode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        crops = [transform.crop_flip(*d, g) for d, g in zip(decoded, generators, strict=True)]
+        transform_s = time.perf_counter() - start
+    else:
+        start = time.perf_counter()
+        images = [decode_rgb(d) for d in datas]
+        decode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        crops = [transform.ops()(image) for image in images]
+        transform_s = time.perf_counter() - start
     start = time.perf_counter()
     for i in range(0, len(crops) - batch_size + 1, batch_size):
         torch.utils.data.default_collate(crops[i : i + batch_size])
