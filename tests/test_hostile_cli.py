@@ -455,7 +455,7 @@ def test_bench_loader_shows_results_when_the_profile_cannot_be_saved(
     finally:
         _unmount(view)
     printed = capsys.readouterr()
-    assert "chosen: num_workers=0" in printed.out and "verdict:" in printed.out
+    assert "chosen: engine=processes num_workers=0" in printed.out and "verdict:" in printed.out
     line = one_error_line(printed.err)
     assert f"could not save the loader profile to {view}/dlpipe-profiles.json" in line
     assert str(blocker / "sub") in line and "Not a directory" in line
