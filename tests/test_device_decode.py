@@ -183,3 +183,29 @@ def test_nvjpeg_batches_are_on_the_gpu_and_match_the_cpu(tmp_path) -> None:
     assert images.is_cuda and images.dtype == torch.uint8
     device = [(a.cpu(), b) for a, b in loader]
     assert _compare(device, _pairs(path, "cpu", num_workers=0)) < 3.0  # nvJPEG's own IDCT
+
+
+def test_the_next_batch_decodes_on_a_background_thread_while_this_one_is_used(
+    tmp_path, cpu_as_device, monkeypatch
+) -> None:
+    """One batch ahead: when the caller holds batch k, batch k+1 was handed to the decode
+    thread (so its decode overlaps the caller's step)."""
+    import threading
+
+    from dlpipe.loading.device_decode import DeviceDecoder
+
+    seen: list[str] = []
+    real = DeviceDecoder.__call__
+
+    def recorded(self, batch):
+        seen.append(threading.current_thread().name)
+        return real(self, batch)
+
+    monkeypatch.setattr(DeviceDecoder, "__call__", recorded)
+    path = write_dataset(tmp_path / "d", "wds", {"train": photo_samples(16)})
+    loader = dlpipe.make_loader(path, batch_size=4, image_size=48, num_workers=0, decode="cuda")
+    iterator = iter(loader)
+    next(iterator)
+    assert len(seen) == 2  # the first batch, and the second already decoding or decoded
+    assert all(name.startswith("dlpipe-device-decode") for name in seen)
+    assert len(list(iterator)) == 3

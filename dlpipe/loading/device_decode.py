@@ -13,12 +13,16 @@ What nvJPEG cannot take here (PNG, WebP, CMYK/YCCK JPEGs) is decoded on the CPU 
 as before and travels as a finished crop; the batch mixes both. A JPEG that fails on the device
 is retried alone to name its sample (`FieldDecodeError`), as the CPU path names it.
 
-The same code runs on the CPU device (torchvision's CPU ``decode_jpeg``): that is how it is
-tested on machines without CUDA.
+The loader decodes one batch ahead on a background thread (`DeviceDecoder.batches`; on CUDA on
+a side stream the caller's stream waits for), so decoding the next batch overlaps the training
+step on this one. The same code runs on the CPU device (torchvision's CPU ``decode_jpeg``):
+that is how it is tested on machines without CUDA.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -125,10 +129,36 @@ class DeviceDecoder:
     def __init__(self, device: torch.device, image_size: int) -> None:
         self.device, self.size = device, image_size
 
+    def batches(self, items: Iterator[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+        """(planned batch, tag) pairs → (decoded batch, tag), decoding one batch ahead on a
+        background thread, so the decode of the next batch overlaps the caller's step on
+        this one; on CUDA the thread works on its own stream, and the caller's current stream
+        waits for that batch's work (an event) before the batch is handed over."""
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with ThreadPoolExecutor(1, thread_name_prefix="dlpipe-device-decode") as pool:
+            ahead: tuple[Future[Any], Any] | None = None
+            for batch, tag in items:
+                future = pool.submit(self._on_stream, stream, batch)
+                if ahead is not None:
+                    yield _handed_over(*ahead[0].result()), ahead[1]
+                ahead = (future, tag)
+            if ahead is not None:
+                yield _handed_over(*ahead[0].result()), ahead[1]
+
+    def _on_stream(self, stream: Any, batch: Any) -> tuple[Any, Any]:
+        if stream is None:
+            return self(batch), None
+        with torch.cuda.stream(stream):
+            decoded = self(batch)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return decoded, done
+
     def __call__(self, batch: tuple[list[Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         payloads, labels = batch
-        out = torch.empty((len(payloads), 3, self.size, self.size), dtype=torch.uint8)
-        out = out.to(self.device)
+        out = torch.empty(
+            (len(payloads), 3, self.size, self.size), dtype=torch.uint8, device=self.device
+        )
         encoded = [(i, p) for i, p in enumerate(payloads) if isinstance(p, EncodedImage)]
         images = self._decode([p for _, p in encoded])
         for (i, payload), image in zip(encoded, images, strict=True):
@@ -167,6 +197,16 @@ class DeviceDecoder:
             pixels = _resize(pixels[..., top : top + height, left : left + width], self.size)
         pixels = pixels.flip(-1) if flip else pixels
         return pixels.round_().clamp_(0, 255).to(torch.uint8)[0]
+
+
+def _handed_over(decoded: tuple[torch.Tensor, torch.Tensor], done: Any) -> Any:
+    """A batch decoded on a side stream, made safe on the caller's current stream."""
+    if done is not None:
+        images = decoded[0]
+        current = torch.cuda.current_stream(images.device)
+        current.wait_event(done)
+        images.record_stream(current)  # its memory is not reused before the caller is done
+    return decoded
 
 
 def _resize(pixels: torch.Tensor, height: int, width: int | None = None) -> torch.Tensor:

@@ -211,12 +211,15 @@ class PreparedLoader(torch.utils.data.DataLoader):
         self._pass, self._inner = progress, inner
         threads = self._stages.threads
         source = inner if threads is None else threads.batches(inner)
-        batches = self._merged(source, progress) if self._stream else source
+        # (batch, the shard runs it holds): a stream's cursors move when the caller gets it
+        batches = self._merged(source) if self._stream else ((b, []) for b in source)
         if self._stages.device is not None:
-            batches = map(self._stages.device, batches)
+            batches = self._stages.device.batches(batches)
         return self._counted(batches, progress, self._generation)
 
-    def _counted(self, batches: Iterator[Any], progress: _Pass, generation: int) -> Iterator[Any]:
+    def _counted(
+        self, batches: Iterator[tuple[Any, list[tuple[int, int]]]], progress: _Pass, generation: int
+    ) -> Iterator[Any]:
         while True:
             if generation != self._generation:
                 raise StaleIteratorError(
@@ -224,36 +227,38 @@ class PreparedLoader(torch.utils.data.DataLoader):
                     "applies to the next pass: call iter(loader) (or start the for loop) again"
                 )
             try:
-                batch = next(batches)
+                batch, runs = next(batches)
             except StopIteration:
                 break
+            self._note(progress, runs)
             progress.batches += 1
             yield batch
         if generation == self._generation:
             self._pass = None
             self.order.finish()
 
-    def _merged(self, pieces: Iterator[Piece], progress: _Pass) -> Iterator[Any]:
-        """Full batches as the workers made them; their leftovers merged into full ones."""
+    def _merged(self, pieces: Iterator[Piece]) -> Iterator[tuple[Any, list[tuple[int, int]]]]:
+        """Full batches as the workers made them; their leftovers merged into full ones; each
+        with the (shard, count) runs of its samples."""
         left: list[Any] = []
         shards: list[int] = []
         for piece in pieces:
             if piece.samples is None:
-                self._note(progress, piece.shards)
-                yield piece.batch
+                yield piece.batch, piece.shards
                 continue
             left += piece.samples
             shards += [shard for shard, count in piece.shards for _ in range(count)]
             while len(left) >= self._batch_size:
-                yield self._take_left(progress, left, shards, self._batch_size)
+                yield self._take_left(left, shards, self._batch_size)
         if left and not self._drop_last:
-            yield self._take_left(progress, left, shards, len(left))
+            yield self._take_left(left, shards, len(left))
 
-    def _take_left(self, progress: _Pass, left: list[Any], shards: list[int], count: int) -> Any:
-        batch = self._stages.collate(left[:count])
-        self._note(progress, shard_runs(shards[:count]))
+    def _take_left(
+        self, left: list[Any], shards: list[int], count: int
+    ) -> tuple[Any, list[tuple[int, int]]]:
+        batch, runs = self._stages.collate(left[:count]), shard_runs(shards[:count])
         del left[:count], shards[:count]
-        return batch
+        return batch, runs
 
     @staticmethod
     def _note(progress: _Pass, runs: list[tuple[int, int]]) -> None:
