@@ -8,6 +8,7 @@ the CPU fallback for what nvJPEG cannot take are all exercised; only nvJPEG itse
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 import pytest
@@ -206,6 +207,9 @@ def test_the_next_batch_decodes_on_a_background_thread_while_this_one_is_used(
     loader = dlpipe.make_loader(path, batch_size=4, image_size=48, num_workers=0, decode="cuda")
     iterator = iter(loader)
     next(iterator)
-    assert len(seen) == 2  # the first batch, and the second already decoding or decoded
+    deadline = time.monotonic() + 10
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the second batch was queued before the first was handed over
+    assert len(seen) == 2
     assert all(name.startswith("dlpipe-device-decode") for name in seen)
     assert len(list(iterator)) == 3
