@@ -6,6 +6,7 @@ import io
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,3 +88,36 @@ def spawn_masks(monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
 
     monkeypatch.setattr(popen.Popen, "_launch", recording_launch)
     return masks
+
+
+def batch_list(loader: Any, count: int | None = None) -> list[tuple[Any, Any]]:
+    """The (images, labels) batches of one pass (the first `count`), copied: a loader may
+    reuse its buffers."""
+    out = []
+    for i, (images, labels) in enumerate(loader):
+        if count is not None and i == count:
+            break
+        out.append((images.clone(), labels.clone()))
+    return out
+
+
+def resumed_rest(make: Callable[[], Any], taken: int) -> tuple[list, list]:
+    """The batches after the first `taken` of one uninterrupted pass, and the batches a new
+    loader yields after loading the state saved there."""
+    reference = make()
+    iterator = iter(reference)
+    for _ in range(taken):
+        next(iterator)
+    state = reference.state_dict()
+    rest = [(images.clone(), labels.clone()) for images, labels in iterator]
+    resumed = make()
+    resumed.load_state_dict(state)
+    return rest, batch_list(resumed)
+
+
+def rank_keys(path: str, rank: int, **options: Any) -> list[str]:
+    """The sample keys, in order, that `rank` of 2 reads in one pass of raw batches of 4."""
+    loader = dlpipe.make_loader(
+        path, batch_size=4, transform=None, rank=rank, world_size=2, **options
+    )
+    return [str(sample["__key__"]) for batch in loader for sample in batch]

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import FORMAT_NAMES, write_dataset
+from conftest import FORMAT_NAMES, resumed_rest, write_dataset
 from PIL import Image
 
 import dlpipe
@@ -124,14 +124,7 @@ def test_a_device_decode_state_resumes_exactly(fmt, tmp_path, cpu_as_device) -> 
     def loader():
         return dlpipe.make_loader(path, batch_size=4, image_size=48, seed=3, workers=settings)
 
-    reference = loader()
-    iterator = iter(reference)
-    _ = [next(iterator) for _ in range(2)]
-    state = reference.state_dict()
-    rest = list(iterator)
-    resumed = loader()
-    resumed.load_state_dict(state)
-    again = list(resumed)
+    rest, again = resumed_rest(loader, 2)
     assert len(rest) == len(again) == 4
     for (a, la), (b, lb) in zip(rest, again, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FORMAT_NAMES
+from conftest import FORMAT_NAMES, batch_list, rank_keys, resumed_rest
 
 import dlpipe
 from dlpipe.loading.order import EpochSampler
@@ -12,21 +12,12 @@ from dlpipe.loading.order import EpochSampler
 RANDOM_ACCESS = [f for f in FORMAT_NAMES if dlpipe.FORMATS[f].random_access]
 
 
-def _batches(loader, count=None):
-    out = []
-    for i, (images, labels) in enumerate(loader):
-        if count is not None and i == count:
-            break
-        out.append((images.clone(), labels.clone()))
-    return out
-
-
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_batches_are_uint8_nchw_with_labels(fmt, make_dataset, samples) -> None:
     loader = dlpipe.make_loader(
         make_dataset(fmt), "val", batch_size=4, image_size=32, num_workers=0
     )
-    (images, labels), (_, labels2) = _batches(loader)
+    (images, labels), (_, labels2) = batch_list(loader)
     assert images.shape == (4, 3, 32, 32) and images.dtype == torch.uint8
     assert labels.tolist() + labels2.tolist() == [int(s["cls"]) for s in samples[32:40]]
     normalized = dlpipe.normalize(images)
@@ -40,15 +31,8 @@ def test_mid_epoch_resume_yields_exactly_the_remaining_batches(fmt, make_dataset
     def loader():
         return dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=2, seed=5)
 
-    reference = loader()
-    iterator = iter(reference)
-    first = [next(iterator) for _ in range(3)]
-    state = reference.state_dict()
-    rest = list(iterator)
-    resumed = loader()
-    resumed.load_state_dict(state)
-    again = _batches(resumed)
-    assert len(first) + len(rest) == 8 and len(again) == len(rest)
+    rest, again = resumed_rest(loader, 3)
+    assert 3 + len(rest) == 8 and len(again) == len(rest)
     for (a, la), (b, lb) in zip(rest, again, strict=True):
         assert torch.equal(la, lb) and torch.equal(a, b)  # same samples, same augmentation
 
@@ -65,12 +49,7 @@ def test_ranks_get_equal_disjoint_batches(fmt, tmp_path, samples) -> None:
     from conftest import write_dataset
 
     path = write_dataset(tmp_path / "d", fmt, {"train": samples[:37]}, max_shard_samples=5)
-    parts = []
-    for rank in range(2):
-        loader = dlpipe.make_loader(
-            path, batch_size=4, transform=None, num_workers=0, rank=rank, world_size=2
-        )
-        parts.append([s["__key__"] for batch in loader for s in batch])
+    parts = [rank_keys(path, rank, num_workers=0) for rank in range(2)]
     assert len(parts[0]) == len(parts[1]) == 16  # 18 per rank, 4 full batches each
     assert not set(parts[0]) & set(parts[1])
 
@@ -208,9 +187,9 @@ def test_an_in_process_loader_and_a_forked_one_share_a_dataset(fmt, make_dataset
     (a notebook, or a trainer evaluating in-process): the workers reopen them."""
     path = make_dataset(fmt)
     in_process = dlpipe.make_loader(path, "val", batch_size=4, image_size=24, num_workers=0)
-    first = _batches(in_process, 1)
+    first = batch_list(in_process, 1)
     forked = dlpipe.make_loader(
         path, "val", batch_size=4, image_size=24, num_workers=1, multiprocessing_context="fork"
     )
-    assert [labels.tolist() for _, labels in _batches(forked)][:1] == [first[0][1].tolist()]
-    assert len(_batches(in_process)) == len(_batches(forked))
+    assert [labels.tolist() for _, labels in batch_list(forked)][:1] == [first[0][1].tolist()]
+    assert len(batch_list(in_process)) == len(batch_list(forked))

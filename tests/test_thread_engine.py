@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import FORMAT_NAMES, write_dataset
+from conftest import FORMAT_NAMES, batch_list, rank_keys, write_dataset
 
 import dlpipe
 from dlpipe.errors import FieldDecodeError
@@ -15,15 +15,6 @@ from dlpipe.loading.config import LoaderConfigError
 from dlpipe.loading.profile import LoaderProfile, ProfileError, loader_key, machine_key
 
 THREADS = dlpipe.WorkerSettings(num_workers=2, engine="threads")
-
-
-def _batches(loader, count=None):
-    out = []
-    for i, (images, labels) in enumerate(loader):
-        if count is not None and i == count:
-            break
-        out.append((images.clone(), labels.clone()))
-    return out
 
 
 def _same(a, b) -> bool:
@@ -47,7 +38,7 @@ def test_threads_give_the_zero_worker_batches_bit_for_bit(fmt, make_dataset) -> 
     inline = _loader(path, None, num_workers=0)
     threaded = _loader(path, THREADS)
     for _ in range(2):
-        assert _same(_batches(inline), _batches(threaded))
+        assert _same(batch_list(inline), batch_list(threaded))
     assert len(threaded) == len(inline) == 8
     threaded.close()
 
@@ -64,7 +55,7 @@ def test_threads_start_no_process_and_close_ends_their_threads(fmt, make_dataset
     for thread in _engine_threads():
         thread.join(timeout=10)
     assert not _engine_threads()
-    assert len(_batches(loader)) == 8  # a closed loader starts its pool again
+    assert len(batch_list(loader)) == 8  # a closed loader starts its pool again
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
@@ -79,10 +70,10 @@ def test_a_thread_engine_state_resumes_exactly(fmt, saver, resumer, make_dataset
     iterator = iter(reference)
     _ = [next(iterator) for _ in range(3)]
     state = reference.state_dict()
-    rest = [(x.clone(), y.clone()) for x, y in iterator] + _batches(reference)
+    rest = [(x.clone(), y.clone()) for x, y in iterator] + batch_list(reference)
     resumed = _loader(path, engines[resumer])
     resumed.load_state_dict(state)
-    again = _batches(resumed) + _batches(resumed)
+    again = batch_list(resumed) + batch_list(resumed)
     if fmt == "wds" and resumer == "workers":  # another worker count: the same samples
         keys = sorted(int(label) for _, labels in rest for label in labels)
         assert keys == sorted(int(label) for _, labels in again for label in labels)
@@ -96,15 +87,8 @@ def test_ranks_on_threads_are_the_zero_worker_ranks(fmt, tmp_path, samples) -> N
     path = write_dataset(tmp_path / "d", fmt, {"train": samples[:37]}, max_shard_samples=5)
     keys = []
     for rank in range(2):
-        inline = dlpipe.make_loader(
-            path, batch_size=4, transform=None, num_workers=0, rank=rank, world_size=2
-        )
-        threaded = dlpipe.make_loader(
-            path, batch_size=4, transform=None, workers=THREADS, rank=rank, world_size=2
-        )
-        ours = [s["__key__"] for batch in threaded for s in batch]
-        assert ours == [s["__key__"] for batch in inline for s in batch]
-        assert len(ours) == 16
+        ours = rank_keys(path, rank, workers=THREADS)
+        assert ours == rank_keys(path, rank, num_workers=0) and len(ours) == 16
         keys.append(set(ours))
     assert not keys[0] & keys[1]
 
