@@ -19,8 +19,8 @@ c. **peers**, where they install (``benchmarks/peers.py`` says how): FFCV
    (``decoders.image_random_crop``, W threads), W in {1, ..., 4}; the best counts.
 d. **decode candidates**, one process, ``torch.set_num_threads(1)``, the JPEG bytes already in
    memory: full decodes (PIL, ``torchvision.io.decode_jpeg``/``decode_image``, simplejpeg,
-   each + the same crop/flip on uint8) and the ones that decode less (PIL draft, dlpipe's
-   crop-aware transform).
+   TorchCodec's ``decode_jpeg`` where it installs, each + the same crop/flip on uint8) and
+   the ones that decode less (PIL draft, dlpipe's crop-aware transform).
 e. **the 2-core full-decode limit** = cores x the best single-core rate of a *full* decode in
    (d): only decoding less than the whole image can pass it.
 
@@ -223,7 +223,7 @@ def decode_candidates() -> dict[str, Callable[[bytes], torch.Tensor]]:
         image, _ = crop({"jpg": data, "cls": b"0"}, 0, next(counter))
         return image
 
-    return {
+    candidates = {
         "PIL decode + PIL transforms": pil,
         "torchvision.io.decode_jpeg + v2 (uint8)": tv_jpeg,
         "torchvision.io.decode_image + v2 (uint8)": tv_image,
@@ -231,6 +231,15 @@ def decode_candidates() -> dict[str, Callable[[bytes], torch.Tensor]]:
         "PIL draft (>= 2x crop) + PIL transforms": pil_draft,
         "dlpipe ImageTransform (crop-aware: simplejpeg at DCT scale)": dlpipe_crop,
     }
+    try:  # TorchCodec: torchvision's successor for image decoding (optional)
+        from torchcodec.decoders import decode_jpeg as torchcodec_jpeg
+    except ImportError:
+        return candidates
+
+    def tc_jpeg(data: bytes) -> torch.Tensor:
+        return v2_ops(torchcodec_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)))
+
+    return {**candidates, "TorchCodec decode_jpeg + v2 (uint8)": tc_jpeg}
 
 
 PARTIAL_DECODES = frozenset(  # candidates that decode less than the whole image
@@ -293,6 +302,7 @@ def peer_versions() -> dict[str, str]:
         ("FFCV", "ffcv"),
         ("DALI", "nvidia-dali-cuda130"),
         ("simplejpeg", "simplejpeg"),
+        ("TorchCodec", "torchcodec"),
     ):
         try:
             found[name] = version(dist)
