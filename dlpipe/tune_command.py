@@ -55,7 +55,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="where batches go (pin_memory is tried for cuda)",
+        help="where batches go (cuda also tries pin_memory and decoding on the GPU)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", help="write a PNG of samples/s per trial here")
