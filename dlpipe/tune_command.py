@@ -136,10 +136,10 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
     console.print(stages)
     trials = Table(
         "engine",
-        "num_workers",
+        "workers",
         "decode",
         "prefetch",
-        "pin_memory",
+        "pin",
         "samples/s",
         "worker RSS",
         title="trials",
@@ -154,7 +154,7 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
             str(t.prefetch_factor),
             str(t.pin_memory),
             shown + mark,
-            f"{t.worker_rss_bytes / 1e6:.0f} MB",
+            "-" if t.engine == "threads" else f"{t.worker_rss_bytes / 1e6:.0f} MB",
         )
     console.print(trials)
     best = report.best
