@@ -129,15 +129,22 @@ def test_a_tiny_model_learns_a_separable_dataset(colours, tmp_path) -> None:
     assert top1 >= 0.75, f"val top-1 {top1} (chance is 0.25)"
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "wds"])
+@pytest.mark.parametrize(
+    ("fmt", "loader"),
+    [("lmdb", []), ("wds", []), ("wds", ["--engine", "threads", "--num-workers", "2"])],
+)
 def test_resume_replays_the_same_batches_and_reaches_identical_weights(
-    fmt, colours, tmp_path
+    fmt, loader, colours, tmp_path
 ) -> None:
+    """The thread engine's run (interrupted and resumed on threads) ends with the weights of
+    an uninterrupted 0-worker run: its batches are the 0-worker loader's."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert train(colours[fmt], whole, "--epochs", "3", "--max-steps", "9") == 0
-    assert train(colours[fmt], split, "--epochs", "3", "--max-steps", "4") == 0
+    assert train(colours[fmt], split, "--epochs", "3", "--max-steps", "4", *loader) == 0
     assert newest(split)["reason"] == "max_steps"
-    assert train(colours[fmt], split, "--epochs", "3", "--max-steps", "9") == 0
+    assert train(colours[fmt], split, "--epochs", "3", "--max-steps", "9", *loader) == 0
+    if loader:
+        assert 'engine = "threads"' in (split / "config.toml").read_text()
     assert step_losses(split) == step_losses(whole) and len(step_losses(whole)) == 9
     a, b = newest(whole), newest(split)
     assert a["step"] == b["step"] == 9

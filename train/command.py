@@ -73,6 +73,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--val-split", help='split to validate on ("val"; "" for none)')
     p.add_argument("--num-workers", type=int, help="loader workers (bench-loader's choice)")
     p.add_argument(
+        "--engine",
+        choices=["auto", "processes", "threads"],
+        help="loader workers as processes or as threads in this process (auto: the profile's)",
+    )
+    p.add_argument(
         "--decode",
         choices=["auto", "cpu", "cuda"],
         help="where JPEGs are decoded: cuda decodes each batch on the GPU (auto: the profile's)",

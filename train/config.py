@@ -63,6 +63,7 @@ class DataConfig:
     image_size: int = 224
     min_crop_scale: float = 0.08  # RandomResizedCrop's smallest area share (timm's --scale)
     num_workers: int | None = None  # None: the bench-loader profile, else all cores but one
+    engine: str = "auto"  # "auto": the bench-loader profile's, "processes" or "threads"
     decode: str = "auto"  # "auto": the bench-loader profile's (else cpu), "cpu" or "cuda"
 
 
@@ -207,6 +208,10 @@ class TrainConfig:
             f"optim.clip_grad = {o.clip_grad} must be positive (leave it unset for no clipping)",
         )
         _require(0 <= o.momentum < 1, f"optim.momentum = {o.momentum} must be in [0, 1)")
+        _require(
+            d.engine in ("auto", "processes", "threads"),
+            f"data.engine = {d.engine!r} must be auto, processes or threads (the loader's workers)",
+        )
         _require(
             d.decode in ("auto", "cpu", "cuda"),
             f"data.decode = {d.decode!r} must be auto, cpu or cuda (where JPEGs are decoded)",

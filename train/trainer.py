@@ -169,6 +169,7 @@ class Trainer:
             split,
             config=config,
             num_workers=d.num_workers,
+            engine=None if d.engine == "auto" else d.engine,
             decode=d.decode,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
