@@ -278,6 +278,46 @@ def time_decoders(files: list[str], repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+# ----------------------------------------------------------------------------------- stages
+
+
+def stage_costs(datasets: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per format, one process: the CPU microseconds per sample of each stage, from the
+    tuner's own stage measurement (read, the loader's decode, crop + resize + flip, collate)."""
+    from dlpipe.loading.config import LoaderConfig
+    from dlpipe.loading.tune import BenchConfig, measure_stages
+
+    out = {}
+    for fmt, path in datasets.items():
+        config = BenchConfig(path=path, loader=LoaderConfig(batch_size=BATCH, image_size=SIZE))
+        measure_stages(config, seconds=1.0)  # warm-up: page cache, first-call costs
+        costs = measure_stages(config, seconds=3.0).costs()
+        out[fmt] = {stage: seconds * 1e6 for stage, seconds in costs.items()}
+        log(f"  stages {fmt}: " + ", ".join(f"{k} {v:.0f} us" for k, v in out[fmt].items()))
+    return out
+
+
+def engine_costs(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per format, what moving the work off the main process costs per sample in CPU
+    microseconds: 1 worker process (IPC: pickling, shared memory, the pin thread) and 1
+    thread (handing samples to the pool), each against 0 workers."""
+    per_sample: dict[tuple[str, str, int], float] = {}
+    for row in rows:
+        if "error" not in row and row["kind"] == "dlpipe":
+            fmt, engine = row["contender"].split("(")[1].rstrip(")").split(", ")
+            per_sample[(fmt, engine, row["workers"])] = 1e6 / row["samples_per_cpu_s"]
+    out = {}
+    for fmt in {key[0] for key in per_sample}:
+        inline = per_sample.get((fmt, "processes", 0))
+        if inline is None:
+            continue
+        out[fmt] = {"main_process_us": inline}
+        for name, key in (("one_worker_us", "processes"), ("one_thread_us", "threads")):
+            if (fmt, key, 1) in per_sample:
+                out[fmt][name] = per_sample[(fmt, key, 1)] - inline
+    return out
+
+
 # ----------------------------------------------------------------------------------- setup
 
 
@@ -524,6 +564,31 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {r['samples_per_cpu_s']:,.1f} | {windows} | {r['warmup_s']:.2f} "
                 f"| {r['pss_mb']:,.0f} |"
             )
+    lines += [
+        "",
+        "## Where a sample's CPU goes",
+        "",
+        "One process, the tuner's stage measurement (`dlpipe.loading.tune.measure_stages`), "
+        "CPU microseconds per sample: read the bytes, the loader's decode (box first, DCT "
+        "scale when it allows), crop + resize + flip, collate into a batch of 64. Then what "
+        "one worker process (IPC: pickling, shared memory, the pin thread) or one thread of "
+        "the thread engine adds per sample against 0 workers, from the loader rows above.",
+        "",
+        "| format | read | decode | crop + resize + flip | collate | 0 workers (loader) "
+        "| + 1 worker process | + 1 thread |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for fmt, costs in result["stages"].items():
+        engines = result["engines"].get(fmt, {})
+        extra = [engines.get(k) for k in ("main_process_us", "one_worker_us", "one_thread_us")]
+        lines.append(
+            f"| {fmt} | {costs['read']:.0f} | {costs['decode']:.0f} | {costs['transform']:.0f} "
+            f"| {costs['collate']:.0f} | "
+            + " | ".join(
+                "-" if v is None else f"{v:+.0f}" if i else f"{v:.0f}" for i, v in enumerate(extra)
+            )
+            + " |"
+        )
     decoders = sorted(result["decoders"], key=lambda r: -r["samples_per_s_per_core"])
     fastest = decoders[0]
     lines += [
@@ -586,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             convert_s[fmt] = convert_corpus(root, fmt, datasets[fmt])
             log(f"  converted to {fmt} in {convert_s[fmt]:.1f} s")
         decoders = time_decoders(files[: args.decode_images], args.decode_repeats)
+        stages = stage_costs(datasets)
         found, missing = contenders(root, datasets, work, args)
         rows = run_loaders(found, args)
     finally:
@@ -612,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         "corpus": {k: v for k, v in corpus.items() if k not in ("per_class", "reused")},
         "convert_s": ", ".join(f"{f} {s:.1f} s" for f, s in convert_s.items()),
         "decoders": decoders,
+        "stages": stages,
+        "engines": engine_costs(rows),
         "peers": peer_versions(),
         "missing_peers": missing,
         "rows": rows,
