@@ -297,27 +297,6 @@ def stage_costs(datasets: dict[str, str]) -> dict[str, dict[str, float]]:
     return out
 
 
-def engine_costs(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per format, what moving the work off the main process costs per sample in CPU
-    microseconds: 1 worker process (IPC: pickling, shared memory, the pin thread) and 1
-    thread (handing samples to the pool), each against 0 workers."""
-    per_sample: dict[tuple[str, str, int], float] = {}
-    for row in rows:
-        if "error" not in row and row["kind"] == "dlpipe":
-            fmt, engine = row["contender"].split("(")[1].rstrip(")").split(", ")
-            per_sample[(fmt, engine, row["workers"])] = 1e6 / row["samples_per_cpu_s"]
-    out = {}
-    for fmt in {key[0] for key in per_sample}:
-        inline = per_sample.get((fmt, "processes", 0))
-        if inline is None:
-            continue
-        out[fmt] = {"main_process_us": inline}
-        for name, key in (("one_worker_us", "processes"), ("one_thread_us", "threads")):
-            if (fmt, key, 1) in per_sample:
-                out[fmt][name] = per_sample[(fmt, key, 1)] - inline
-    return out
-
-
 # ----------------------------------------------------------------------------------- setup
 
 
@@ -568,26 +547,17 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Where a sample's CPU goes",
         "",
-        "One process, the tuner's stage measurement (`dlpipe.loading.tune.measure_stages`), "
-        "CPU microseconds per sample: read the bytes, the loader's decode (box first, DCT "
-        "scale when it allows), crop + resize + flip, collate into a batch of 64. Then what "
-        "one worker process (IPC: pickling, shared memory, the pin thread) or one thread of "
-        "the thread engine adds per sample against 0 workers, from the loader rows above.",
+        "One process, the tuner's stage measurement (`dlpipe.loading.tune.measure_stages`, "
+        "after a warm-up), microseconds per sample: read the bytes, the loader's decode (box "
+        "first, DCT scale when it allows), crop + resize + flip, collate into a batch of 64.",
         "",
-        "| format | read | decode | crop + resize + flip | collate | 0 workers (loader) "
-        "| + 1 worker process | + 1 thread |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| format | read | decode | crop + resize + flip | collate | total |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for fmt, costs in result["stages"].items():
-        engines = result["engines"].get(fmt, {})
-        extra = [engines.get(k) for k in ("main_process_us", "one_worker_us", "one_thread_us")]
         lines.append(
             f"| {fmt} | {costs['read']:.0f} | {costs['decode']:.0f} | {costs['transform']:.0f} "
-            f"| {costs['collate']:.0f} | "
-            + " | ".join(
-                "-" if v is None else f"{v:+.0f}" if i else f"{v:.0f}" for i, v in enumerate(extra)
-            )
-            + " |"
+            f"| {costs['collate']:.0f} | {sum(costs.values()):.0f} |"
         )
     decoders = sorted(result["decoders"], key=lambda r: -r["samples_per_s_per_core"])
     fastest = decoders[0]
@@ -679,7 +649,6 @@ def main(argv: list[str] | None = None) -> int:
         "convert_s": ", ".join(f"{f} {s:.1f} s" for f, s in convert_s.items()),
         "decoders": decoders,
         "stages": stages,
-        "engines": engine_costs(rows),
         "peers": peer_versions(),
         "missing_peers": missing,
         "rows": rows,
