@@ -18,7 +18,7 @@ from PIL import Image
 
 import dlpipe
 from dlpipe.errors import FieldDecodeError
-from dlpipe.loading import loader as loader_module
+from dlpipe.loading import stages as stages_module
 from dlpipe.loading.config import LoaderConfigError
 from dlpipe.loading.device_decode import DecodeDeviceError, EncodedImage, PlannedTransform
 from dlpipe.loading.transforms import ImageTransform
@@ -28,7 +28,7 @@ CUDA = torch.cuda.is_available()
 
 @pytest.fixture
 def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader_module, "decode_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(stages_module, "decode_device", lambda: torch.device("cpu"))
 
 
 def photo(width: int, height: int, seed: int, mode: str = "RGB", fmt: str = "JPEG") -> bytes:

@@ -40,7 +40,6 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,18 +53,13 @@ from dlpipe.loading.config import (
     default_workers,
 )
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
-from dlpipe.loading.device_decode import (
-    DeviceDecoder,
-    PlannedTransform,
-    collate_planned,
-    decode_device,
-)
 from dlpipe.loading.order import EpochSampler, StreamOrder
 from dlpipe.loading.profile import LoaderProfile, select_profile
+from dlpipe.loading.stages import Stages, make_stages
 from dlpipe.loading.state import require_equal, require_fields
-from dlpipe.loading.threads import ThreadEngine, collate_pending
+from dlpipe.loading.threads import collate_pending
 from dlpipe.loading.transforms import ImageTransform, image_field
-from dlpipe.loading.views import MapView, Piece, StreamView, collate, shard_runs
+from dlpipe.loading.views import MapView, Piece, StreamView, shard_runs
 from dlpipe.processes import stop_signals_blocked
 from dlpipe.sample import Sample
 
@@ -120,42 +114,6 @@ class _Pass:
             drawn = self.drawn + min(self.batches * batch_size, self.left)
             return order.state_at(self.epoch, self.start, drawn)
         return order.state_at(self.epoch, self.cursors)
-
-
-@dataclass(frozen=True)
-class Stages:
-    """What runs between a loader's DataLoader and its caller, as its `WorkerSettings` ask.
-
-    Attributes:
-        collate: makes a batch of transformed samples (the stream's leftovers are merged
-            with it; the thread engine collates with it).
-        threads: the thread engine, resolving the DataLoader's pending batches; None with
-            worker processes.
-        device: ``decode="cuda"``: decodes each planned batch on the GPU.
-    """
-
-    collate: Callable[[list[Any]], Any] = collate
-    threads: ThreadEngine | None = None
-    device: DeviceDecoder | None = None
-
-
-def _stages(settings: WorkerSettings, config: LoaderConfig, fn: Any) -> tuple[Any, Stages]:
-    """The per-sample function the view runs and the stages after the DataLoader."""
-    final: Callable[[list[Any]], Any] = collate
-    device = None
-    if settings.decode == "cuda":
-        if not isinstance(fn, ImageTransform):
-            raise LoaderConfigError(
-                f"decode='cuda' with transform={config.transform!r}: the GPU decodes the image "
-                "transforms only; pass transform 'train' or 'eval', or decode='cpu'"
-            )
-        device = DeviceDecoder(decode_device(), config.image_size)
-        fn, final = PlannedTransform(fn), collate_planned
-    if not settings.threads:
-        return fn, Stages(final, None, device)
-    depth = settings.prefetch_factor or 2
-    threads = ThreadEngine(settings.threads, depth, settings.pin_memory, final)
-    return threads.deferred(fn), Stages(final, threads, device)
 
 
 class PreparedLoader(torch.utils.data.DataLoader):
@@ -426,7 +384,7 @@ def make_loader(
         decode=None if decode == "auto" else decode,
     )
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
-    fn, stages = _stages(settings, config, make_transform(config, dataset))
+    fn, stages = make_stages(settings, config, make_transform(config, dataset))
     collate_fn = collate_pending if stages.threads else stages.collate
     shuffle, seed, batch_size = bool(config.shuffle), config.seed, config.batch_size
     drop_last = bool(config.drop_last)

@@ -1,0 +1,58 @@
+"""What runs between a loader's DataLoader and its caller: `Stages`, built from the worker
+settings by `make_stages` (the thread engine, `dlpipe.loading.threads`; the GPU decode,
+`dlpipe.loading.device_decode`; the collate that makes a batch of finished samples)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
+from dlpipe.loading.device_decode import (
+    DeviceDecoder,
+    PlannedTransform,
+    collate_planned,
+    decode_device,
+)
+from dlpipe.loading.threads import ThreadEngine
+from dlpipe.loading.transforms import ImageTransform
+from dlpipe.loading.views import collate
+
+__all__ = ["Stages", "make_stages"]
+
+
+@dataclass(frozen=True)
+class Stages:
+    """What runs between a loader's DataLoader and its caller, as its `WorkerSettings` ask.
+
+    Attributes:
+        collate: makes a batch of transformed samples (the stream's leftovers are merged
+            with it; the thread engine collates with it).
+        threads: the thread engine, resolving the DataLoader's pending batches; None with
+            worker processes.
+        device: ``decode="cuda"``: decodes each planned batch on the GPU.
+    """
+
+    collate: Callable[[list[Any]], Any] = collate
+    threads: ThreadEngine | None = None
+    device: DeviceDecoder | None = None
+
+
+def make_stages(settings: WorkerSettings, config: LoaderConfig, fn: Any) -> tuple[Any, Stages]:
+    """The per-sample function the view runs and the stages after the DataLoader."""
+    final: Callable[[list[Any]], Any] = collate
+    device = None
+    if settings.decode == "cuda":
+        if not isinstance(fn, ImageTransform):
+            raise LoaderConfigError(
+                f"decode='cuda' with transform={config.transform!r}: the GPU decodes the image "
+                "transforms only; pass transform 'train' or 'eval', or decode='cpu'"
+            )
+        device = DeviceDecoder(decode_device(), config.image_size)
+        fn, final = PlannedTransform(fn), collate_planned
+    if not settings.threads:
+        return fn, Stages(final, None, device)
+    depth = settings.prefetch_factor or 2
+    threads = ThreadEngine(settings.threads, depth, settings.pin_memory, final)
+    return threads.deferred(fn), Stages(final, threads, device)
