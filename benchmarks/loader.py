@@ -66,7 +66,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 
-from dlpipe.machine import usable_cpus
+from dlpipe.machine import proportional_set_size, usable_cpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import convert_corpus, generated_line, log, met, write_results  # sibling script
@@ -112,16 +112,9 @@ def dlpipe_loader(path: str, workers: int, engine: str) -> Any:
 
 
 def pss_bytes() -> int:
-    """Proportional set size of this process and its live children (shared pages split
-    between the processes sharing them: N workers are not N copies of torch)."""
-    total = 0
-    for pid in [os.getpid(), *(child.pid for child in multiprocessing.active_children())]:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-        except (OSError, StopIteration):
-            continue
-    return total
+    """Proportional set size of this process and its live children (worker processes)."""
+    children = [c.pid for c in multiprocessing.active_children() if c.pid is not None]
+    return proportional_set_size([os.getpid(), *children])
 
 
 def cpu_seconds() -> float:

@@ -1,4 +1,5 @@
-"""Machine facts every room sizes itself by: usable CPUs, available memory.
+"""Machine facts every room sizes itself by: usable CPUs, available memory, and the memory
+a set of processes uses.
 
 The CPU count is the process's affinity mask where the platform has one (a CPU-limited
 container or ``taskset`` shows fewer cores than ``os.cpu_count()``), so "all cores but one"
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["available_memory", "usable_cpus"]
+__all__ = ["available_memory", "proportional_set_size", "usable_cpus"]
 
 
 def usable_cpus() -> int:
@@ -30,3 +31,20 @@ def available_memory() -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def proportional_set_size(pids: list[int]) -> int:
+    """The memory of processes `pids` in bytes: their proportional set size (shared library
+    pages split between the processes sharing them, so N loader workers are not counted as N
+    copies of torch). A process that is gone, or a platform without /proc, counts 0."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError):
+            continue
+    return total

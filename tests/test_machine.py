@@ -45,3 +45,20 @@ def test_one_allowed_cpu_is_one_cpu_for_every_room(make_dataset) -> None:
     assert facts["usable"] == facts["doctor"] == facts["profile_key"] == 1
     assert facts["tuner_max_workers"] == 2
     assert facts["loader_workers"] == 1
+
+
+def test_proportional_set_size_counts_live_processes_and_skips_gone_ones() -> None:
+    import subprocess
+    import sys
+
+    from dlpipe.machine import proportional_set_size
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        alone = proportional_set_size([os.getpid()])
+        both = proportional_set_size([os.getpid(), child.pid])
+        assert alone > 1_000_000 and both > alone  # this process, then a Python beside it
+    finally:
+        child.kill()
+        child.wait()
+    assert proportional_set_size([child.pid]) == 0  # gone: counts nothing

@@ -40,7 +40,7 @@ from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSetting
 from dlpipe.loading.dataset import open_dataset
 from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
-from dlpipe.machine import available_memory, usable_cpus
+from dlpipe.machine import available_memory, proportional_set_size, usable_cpus
 from dlpipe.manifest import read_manifest
 
 __all__ = [
@@ -227,19 +227,9 @@ def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
 
 
 def _worker_rss() -> int:
-    """The workers' memory: proportional set size (shared library pages split between the
-    processes sharing them), so N workers are not counted as N copies of torch."""
-    total = 0
-    for child in multiprocessing.active_children():
-        try:
-            with open(f"/proc/{child.pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except (OSError, ValueError):
-            continue
-    return total
+    """The workers' memory (their proportional set size)."""
+    children = multiprocessing.active_children()
+    return proportional_set_size([child.pid for child in children if child.pid is not None])
 
 
 def _batches(loader: Any) -> Iterator[Any]:
