@@ -31,7 +31,12 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from dlpipe.codecs import check_image_pixels, stable_message
 from dlpipe.errors import DlpipeError, FieldDecodeError
-from dlpipe.loading.transforms import SCALABLE_COLORSPACES, ImageTransform, jpeg_header
+from dlpipe.loading.transforms import (
+    SCALABLE_COLORSPACES,
+    ImageTransform,
+    jpeg_header,
+    sample_label,
+)
 from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = [
@@ -94,12 +99,10 @@ class PlannedTransform:
         try:
             width, height = check_image_pixels(data, t.max_pixels)
         except FieldDecodeError as exc:
-            key = sample.get(KEY_FIELD, "?")
-            raise type(exc)(f"sample {key!r} field {t.field!r}: {exc}") from None
+            raise t.named(exc, sample) from None
         plan = torch.tensor(self._plan(width, height, epoch, index), dtype=torch.int64)
-        label = int(bytes(sample["cls"])) if "cls" in sample else -1  # type: ignore[arg-type]
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return EncodedImage(raw, plan, str(sample.get(KEY_FIELD, "?"))), label
+        return EncodedImage(raw, plan, str(sample.get(KEY_FIELD, "?"))), sample_label(sample)
 
     def _plan(self, width: int, height: int, epoch: int, index: int) -> list[int]:
         t, size = self.transform, self.transform.image_size

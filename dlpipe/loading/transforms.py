@@ -63,6 +63,7 @@ __all__ = [
     "image_field",
     "jpeg_header",
     "normalize",
+    "sample_label",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -165,6 +166,11 @@ def _scaled_box(box: CropBox, factor: int, height: int, width: int) -> CropBox:
     bottom = min(max(round((box.top + box.height) / factor), top + 1), height)
     right = min(max(round((box.left + box.width) / factor), left + 1), width)
     return CropBox(top, left, bottom - top, right - left)
+
+
+def sample_label(sample: Sample) -> int:
+    """The sample's class index (its ``cls`` field), or -1 for an unlabelled sample."""
+    return int(bytes(sample["cls"])) if "cls" in sample else -1  # type: ignore[arg-type]
 
 
 def image_field(fields: list[str] | tuple[str, ...]) -> str:
@@ -276,11 +282,14 @@ class ImageTransform:
                 image = self._train(data, self.generator(epoch, index))
             else:
                 image = self.ops()(decode_rgb(data, self.max_pixels))
-        except FieldDecodeError as exc:  # name the sample: the error surfaces far from here
-            key = sample.get(KEY_FIELD, "?")
-            raise type(exc)(f"sample {key!r} field {self.field!r}: {exc}") from None
-        label = int(bytes(sample["cls"])) if "cls" in sample else -1  # type: ignore[arg-type]
-        return image, label
+        except FieldDecodeError as exc:
+            raise self.named(exc, sample) from None
+        return image, sample_label(sample)
+
+    def named(self, exc: FieldDecodeError, sample: Sample) -> FieldDecodeError:
+        """`exc` naming the sample and field (the error surfaces far from here)."""
+        key = sample.get(KEY_FIELD, "?")
+        return type(exc)(f"sample {key!r} field {self.field!r}: {exc}")
 
     def _train(self, data: bytes, generator: torch.Generator) -> torch.Tensor:
         """RandomResizedCrop + flip drawn from `generator`: box, decode, crop, flip."""
