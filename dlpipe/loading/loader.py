@@ -57,7 +57,6 @@ from dlpipe.loading.order import EpochSampler, StreamOrder
 from dlpipe.loading.profile import LoaderProfile, select_profile
 from dlpipe.loading.stages import Stages, make_stages
 from dlpipe.loading.state import require_equal, require_fields
-from dlpipe.loading.threads import collate_pending
 from dlpipe.loading.transforms import ImageTransform, image_field
 from dlpipe.loading.views import MapView, Piece, StreamView, shard_runs
 from dlpipe.processes import stop_signals_blocked
@@ -385,12 +384,11 @@ def make_loader(
     )
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
     fn, stages = make_stages(settings, config, make_transform(config, dataset))
-    collate_fn = collate_pending if stages.threads else stages.collate
     shuffle, seed, batch_size = bool(config.shuffle), config.seed, config.batch_size
     drop_last = bool(config.drop_last)
     options: dict[str, Any] = {
         "batch_size": batch_size,
-        "collate_fn": collate_fn,
+        "collate_fn": stages.dataloader_collate,
         "drop_last": drop_last,
         **settings.dataloader_options(),
     }
@@ -404,6 +402,11 @@ def make_loader(
         return PreparedLoader(MapView(dataset, fn), stages, sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
     view = StreamView.build(
-        dataset, fn, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn, **placement
+        dataset,
+        fn,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        collate_fn=stages.dataloader_collate,
+        **placement,
     )
     return PreparedLoader(view, stages, **options)

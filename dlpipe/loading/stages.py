@@ -15,7 +15,7 @@ from dlpipe.loading.device_decode import (
     collate_planned,
     decode_device,
 )
-from dlpipe.loading.threads import ThreadEngine
+from dlpipe.loading.threads import ThreadEngine, collate_pending
 from dlpipe.loading.transforms import ImageTransform
 from dlpipe.loading.views import collate
 
@@ -37,6 +37,12 @@ class Stages:
     collate: Callable[[list[Any]], Any] = collate
     threads: ThreadEngine | None = None
     device: DeviceDecoder | None = None
+
+    @property
+    def dataloader_collate(self) -> Callable[[list[Any]], Any]:
+        """What the DataLoader collates with: pending futures for the thread engine, which
+        collates them itself when they resolve; else `collate`."""
+        return collate_pending if self.threads is not None else self.collate
 
 
 def make_stages(settings: WorkerSettings, config: LoaderConfig, fn: Any) -> tuple[Any, Stages]:
