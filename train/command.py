@@ -43,6 +43,8 @@ def config_flags() -> dict[str, tuple[str, str]]:
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    from dlpipe.loading.config import DECODE_DEVICES, ENGINES
+
     p = sub.add_parser("train", help="train an image classifier on a prepared dataset")
     p.add_argument("data", nargs="?", help="dataset folder or URL (or [data] path in --config)")
     p.add_argument("--config", help="TOML file with [data] [model] [optim] [run] sections")
@@ -74,12 +76,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-workers", type=int, help="loader workers (bench-loader's choice)")
     p.add_argument(
         "--engine",
-        choices=["auto", "processes", "threads"],
+        choices=["auto", *ENGINES],
         help="loader workers as processes or as threads in this process (auto: the profile's)",
     )
     p.add_argument(
         "--decode",
-        choices=["auto", "cpu", "cuda"],
+        choices=["auto", *DECODE_DEVICES],
         help="where JPEGs are decoded: cuda decodes each batch on the GPU (auto: the profile's)",
     )
     p.add_argument("--keep-last", type=int, help="step checkpoints kept (2), plus best.pt")

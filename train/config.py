@@ -25,6 +25,7 @@ from typing import Any
 import tomli_w
 
 from dlpipe.errors import DlpipeError
+from dlpipe.loading.config import DECODE_DEVICES, ENGINES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -209,11 +210,11 @@ class TrainConfig:
         )
         _require(0 <= o.momentum < 1, f"optim.momentum = {o.momentum} must be in [0, 1)")
         _require(
-            d.engine in ("auto", "processes", "threads"),
+            d.engine in ("auto", *ENGINES),
             f"data.engine = {d.engine!r} must be auto, processes or threads (the loader's workers)",
         )
         _require(
-            d.decode in ("auto", "cpu", "cuda"),
+            d.decode in ("auto", *DECODE_DEVICES),
             f"data.decode = {d.decode!r} must be auto, cpu or cuda (where JPEGs are decoded)",
         )
         _require(
