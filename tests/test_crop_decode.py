@@ -20,6 +20,7 @@ from torchvision.transforms import v2
 
 import dlpipe
 from dlpipe.codecs import ImageTooLargeError
+from dlpipe.loading import jpeg_region
 from dlpipe.loading import transforms as transforms_module
 from dlpipe.loading.transforms import ImageTransform, dct_factor
 
@@ -118,17 +119,28 @@ def test_dct_factor_is_the_largest_that_keeps_the_box_at_the_output_size() -> No
     assert dct_factor(10, 10, 224) == 1
 
 
-def record_scaled_heights(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The ``min_height`` of every simplejpeg decode from now on (the scale it was asked for)."""
-    heights: list[int] = []
-    real = transforms_module.simplejpeg.decode_jpeg
+@pytest.fixture(params=["region", "whole"])
+def jpeg_decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test once with the region decoder (a TurboJPEG 3 library, the ``jpeg-region``
+    extra) and once without it (simplejpeg decodes the whole image at the DCT scale)."""
+    if request.param == "whole":
+        monkeypatch.setattr(jpeg_region, "_library", [None])
+    elif jpeg_region.region_library() is None:
+        pytest.skip("no TurboJPEG 3 library here: pip install 'dlpipe[jpeg-region]'")
+    return str(request.param)
 
-    def recorded(data: bytes, **kwargs: int) -> np.ndarray:
-        heights.append(kwargs["min_height"])
-        return real(data, **kwargs)
 
-    monkeypatch.setattr(transforms_module.simplejpeg, "decode_jpeg", recorded)
-    return heights
+def record_factors(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The DCT scale divisor of every crop-aware JPEG decode from now on."""
+    factors: list[int] = []
+    real = transforms_module.decode_jpeg_box
+
+    def recorded(data: bytes, size: tuple[int, int], box: object, factor: int) -> object:
+        factors.append(factor)
+        return real(data, size, box, factor)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(transforms_module, "decode_jpeg_box", recorded)
+    return factors
 
 
 def box_resized(data: bytes, size: int, like: torch.Tensor) -> torch.Tensor:
@@ -146,19 +158,19 @@ def box_resized(data: bytes, size: int, like: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(("size", "factor"), [(64, 8), (128, 4), (256, 2)])
 def test_scaled_decode_matches_the_full_decode_within_interpolation_error(
-    size: int, factor: int, monkeypatch: pytest.MonkeyPatch
+    size: int, factor: int, monkeypatch: pytest.MonkeyPatch, jpeg_decoder: str
 ) -> None:
     """A 512 px square with min_scale 1 is cropped whole, so the output size sets the scale.
     The difference from the full path (bilinear, antialiased) is no larger than the one
     between two standard resamplers of the same full decode (bilinear against box)."""
-    asked = record_scaled_heights(monkeypatch)
+    asked = record_factors(monkeypatch)
     for seed in range(3):
         data = photo(512, 512, seed)
         crop, full = both(data, size, seed, min_scale=1.0)
         resamplers = mean_abs_diff(box_resized(data, size, full), full)
         diff = mean_abs_diff(crop, full)
         assert 0.05 < diff < 1.1 * resamplers, (diff, resamplers)  # measured 1.00-1.01x
-    assert asked == [512 // factor] * 3
+    assert asked == [factor] * 3
 
 
 def train_box(transform: ImageTransform, data: bytes, epoch: int, index: int) -> tuple:
@@ -203,7 +215,7 @@ def check_within_interpolation_error(data: bytes, size: int, indices: range) -> 
     return {factor for factor, found in diffs.items() if found}
 
 
-def test_random_crops_match_the_full_decode_and_keep_its_box_and_flip() -> None:
+def test_random_crops_match_the_full_decode_and_keep_its_box_and_flip(jpeg_decoder: str) -> None:
     """Default scale at 32 px on 400x300 and 120x100 photos draws every scale."""
     factors = set()
     for seed in range(2):
@@ -232,7 +244,7 @@ def kinds() -> dict[str, tuple[bytes, bool]]:
 
 
 @pytest.mark.parametrize("kind", list(kinds()))
-def test_every_image_kind_decodes_to_the_output_size(kind: str) -> None:
+def test_every_image_kind_decodes_to_the_output_size(kind: str, jpeg_decoder: str) -> None:
     data, exact = kinds()[kind]
     if not exact:
         check_within_interpolation_error(data, 24, range(8))
@@ -251,10 +263,11 @@ def test_exif_orientation_is_ignored_as_the_full_decode_ignores_it() -> None:
         assert torch.equal(both(plain, 24, index)[1], both(rotated, 24, index)[1])
 
 
-def test_without_simplejpeg_the_crop_comes_from_the_full_decode(
+def test_without_simplejpeg_or_turbojpeg_3_the_crop_comes_from_the_full_decode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(transforms_module, "simplejpeg", None)
+    monkeypatch.setattr(jpeg_region, "_library", [None])
     for index in range(6):
         crop, full = both(photo(512, 512, index), 32, index)
         assert torch.equal(crop, full)
@@ -267,7 +280,7 @@ def test_the_pixel_limit_refuses_a_huge_header_before_any_decode(
     sof = data.index(b"\xff\xc0")
     data[sof + 5 : sof + 9] = (20000).to_bytes(2, "big") * 2  # height, width
     calls = []
-    monkeypatch.setattr(transforms_module, "decode_jpeg_scaled", lambda *a: calls.append(a))
+    monkeypatch.setattr(transforms_module, "decode_jpeg_box", lambda *a: calls.append(a))
     monkeypatch.setattr(transforms_module, "decode_image", lambda *a, **k: calls.append(a))
     transform = ImageTransform("train", 224, "jpg")
     with pytest.raises(ImageTooLargeError) as caught:
@@ -304,7 +317,7 @@ def test_same_seed_epoch_and_index_give_the_same_crop_in_another_process(tmp_pat
 
 
 def test_make_loader_decodes_train_crops_at_dct_scale(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
+    tmp_path, monkeypatch: pytest.MonkeyPatch, jpeg_decoder: str
 ) -> None:
     """A user's loader takes the crop-aware path by default: scaled decodes, close pixels."""
     samples = [
@@ -312,10 +325,10 @@ def test_make_loader_decodes_train_crops_at_dct_scale(
         for i in range(8)
     ]
     path = write_dataset(tmp_path / "data", "lmdb", {"train": samples})
-    heights = record_scaled_heights(monkeypatch)
+    factors = record_factors(monkeypatch)
     options = dict(num_workers=0, profile=None, image_size=64, min_crop_scale=1.0, seed=3)
     images, labels = next(iter(dlpipe.make_loader(path, "train", 8, **options)))  # type: ignore[arg-type]
-    assert heights == [64] * 8  # 512 px decoded at 1/8
+    assert factors == [8] * 8  # 512 px decoded at 1/8
     full = ImageTransform("train", 64, "jpg", seed=3, min_scale=1.0, decode="full")
     reference = dlpipe.make_loader(path, "train", 8, transform=full, **options)  # type: ignore[arg-type]
     ref_images, ref_labels = next(iter(reference))

@@ -119,16 +119,16 @@ def test_the_stage_table_times_the_loaders_own_crop_aware_decode(make_dataset, m
     from dlpipe.loading import transforms as transforms_module
 
     scales: list[int] = []
-    real = transforms_module.decode_jpeg_scaled
+    real = transforms_module.decode_jpeg_box
 
-    def recorded(data: bytes, factor: int):
+    def recorded(data: bytes, size: tuple[int, int], box, factor: int):
         scales.append(factor)
-        return real(data, factor)
+        return real(data, size, box, factor)
 
     def no_full_decode(*args, **kwargs):
         raise AssertionError("the train stages decoded a JPEG in full")
 
-    monkeypatch.setattr(transforms_module, "decode_jpeg_scaled", recorded)
+    monkeypatch.setattr(transforms_module, "decode_jpeg_box", recorded)
     monkeypatch.setattr(tune, "decode_rgb", no_full_decode)
     loader = dlpipe.LoaderConfig(batch_size=4, image_size=8)
     stages = tune.measure_stages(tune.BenchConfig(path=make_dataset("lmdb"), loader=loader), 0.2)

@@ -13,13 +13,15 @@ an image over it is an `ImageTooLargeError`, before any decoder allocates for it
 RandomResizedCrop's box depends on the image size alone, which the header gives, so the box is
 drawn first (torchvision's own ``v2.RandomResizedCrop.make_params``, from the same seeded
 generator, so the box and the flip are the ones the full-decode path draws), then a YCbCr or
-greyscale JPEG is decoded by simplejpeg (libjpeg-turbo) at the largest DCT scale 1/k
-(k in 1, 2, 4, 8) that keeps the box at least ``image_size`` on both sides, the box is mapped
-into the scaled image (libjpeg's scaled pixel i covers full pixels [i*k, (i+1)*k)), cropped and
-resized (bilinear, antialiased) and flipped. The pixels differ from the full-decode path's by
-interpolation error only. CMYK/YCCK JPEGs, other image kinds, or no simplejpeg: the box is
-cropped from today's full decode. EXIF orientation is ignored on both paths (as
-``decode_image`` does by default). ``decode="full"`` keeps the old path whole.
+greyscale JPEG is decoded at the largest DCT scale 1/k (k in 1, 2, 4, 8) that keeps the box at
+least ``image_size`` on both sides, the box is mapped into the scaled image (libjpeg's scaled
+pixel i covers full pixels [i*k, (i+1)*k)), cropped and resized (bilinear, antialiased) and
+flipped. Where a TurboJPEG 3 library is installed (``pip install 'dlpipe[jpeg-region]'``) only
+the box's region is decoded (`dlpipe.loading.jpeg_region`, the pixels of the whole decode);
+otherwise simplejpeg (libjpeg-turbo) decodes the whole image at that scale. The pixels differ
+from the full-decode path's by interpolation error only. CMYK/YCCK JPEGs, other image kinds,
+or neither decoder: the box is cropped from today's full decode. EXIF orientation is ignored
+on both paths (as ``decode_image`` does by default). ``decode="full"`` keeps the old path whole.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dlpipe.codecs import (
     stable_message,
 )
 from dlpipe.errors import FieldDecodeError
+from dlpipe.loading.jpeg_region import decode_jpeg_region
 from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "CropBox",
     "ImageTransform",
     "dct_factor",
+    "decode_jpeg_box",
     "decode_jpeg_scaled",
     "decode_rgb",
     "image_field",
@@ -166,6 +170,27 @@ def _scaled_box(box: CropBox, factor: int, height: int, width: int) -> CropBox:
     bottom = min(max(round((box.top + box.height) / factor), top + 1), height)
     right = min(max(round((box.left + box.width) / factor), left + 1), width)
     return CropBox(top, left, bottom - top, right - left)
+
+
+def decode_jpeg_box(
+    data: bytes, size: tuple[int, int], box: CropBox, factor: int
+) -> tuple[torch.Tensor, CropBox] | None:
+    """What a YCbCr or greyscale JPEG's crop `box` needs, decoded at DCT scale 1/`factor`:
+    only the box's region (`dlpipe.loading.jpeg_region`, pixel for pixel the whole decode's)
+    where a TurboJPEG 3 library is installed, else the whole image through simplejpeg; with
+    the box in the decoded pixels. Call it after `dlpipe.codecs.check_image_pixels`, which
+    gave `size` (width, height). None: not such a JPEG, or no decoder here takes it."""
+    width, height = size
+    scaled = _scaled_box(box, factor, -(-height // factor), -(-width // factor))
+    region = decode_jpeg_region(data, size, factor, scaled) if data[:2] == b"\xff\xd8" else None
+    if region is not None:
+        array, top, left = region
+        image = torch.from_numpy(array).permute(2, 0, 1)
+        return image, scaled._replace(top=scaled.top - top, left=scaled.left - left)
+    whole = decode_jpeg_scaled(data, factor)
+    if whole is None:
+        return None
+    return whole, _scaled_box(box, factor, whole.shape[-2], whole.shape[-1])
 
 
 def sample_label(sample: Sample) -> int:
@@ -299,21 +324,22 @@ class ImageTransform:
     def decode_for_crop(
         self, data: bytes, generator: torch.Generator
     ) -> tuple[torch.Tensor, CropBox]:
-        """The train recipe's decode: the box drawn from `generator`, then the image decoded
-        at the smallest DCT scale that still covers it at the output size (the whole image
-        with ``decode="full"`` or what simplejpeg cannot scale), and the box in its pixels."""
+        """The train recipe's decode: the box drawn from `generator`, then only what it needs
+        decoded (`decode_jpeg_box`: the smallest DCT scale that still covers it at the output
+        size, only its region where TurboJPEG 3 is installed; the whole image with
+        ``decode="full"`` or what that cannot decode), and the box in the result's pixels."""
         if self.decode == "full":
             image = decode_rgb(data, self.max_pixels)
-            box, factor = self.sample_box(image.shape[-1], image.shape[-2], generator), 1
+            box = self.sample_box(image.shape[-1], image.shape[-2], generator)
         else:
             width, height = check_image_pixels(data, self.max_pixels)
             box = self.sample_box(width, height, generator)
             factor = dct_factor(box.width, box.height, self.image_size)
-            scaled = decode_jpeg_scaled(data, factor)
-            if scaled is None:
-                scaled, factor = decode_rgb(data, self.max_pixels), 1
-            image = scaled
-        return image, _scaled_box(box, factor, image.shape[-2], image.shape[-1])
+            decoded = decode_jpeg_box(data, (width, height), box, factor)
+            if decoded is not None:
+                return decoded
+            image = decode_rgb(data, self.max_pixels)
+        return image, _scaled_box(box, 1, image.shape[-2], image.shape[-1])
 
     def crop_flip(
         self, image: torch.Tensor, box: CropBox, generator: torch.Generator
