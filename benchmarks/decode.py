@@ -15,7 +15,8 @@ Crop-aware (the box drawn from the header size first, then a DCT-scaled decode a
 1/k, k in 1, 2, 4, 8, keeping the box at least S on both sides, then crop + resize + flip):
 
 - ``pillow draft``: ``Image.draft("RGB", ...)`` picks the scale;
-- ``dlpipe crop``: ``ImageTransform("train")``, simplejpeg at the scale dlpipe picks.
+- ``dlpipe crop``: ``ImageTransform("train")`` at the scale dlpipe picks (only the box's region
+  where a TurboJPEG 3 library is installed, else simplejpeg's whole decode).
 
 Corpora: the photo-like corpus of ``benchmarks/corpus.py`` (ImageNet-sized, mean ~400x350 px)
 at S = 224 and S = 160, and a few large photo-like images (~1600x1200 px, the same generator)

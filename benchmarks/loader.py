@@ -20,7 +20,8 @@ c. **peers**, where they install (``benchmarks/peers.py`` says how): FFCV
 d. **decode candidates**, one process, ``torch.set_num_threads(1)``, the JPEG bytes already in
    memory: full decodes (PIL, ``torchvision.io.decode_jpeg``/``decode_image``, simplejpeg,
    TorchCodec's ``decode_jpeg`` where it installs, each + the same crop/flip on uint8) and
-   the ones that decode less (PIL draft, dlpipe's crop-aware transform).
+   the ones that decode less (PIL draft, dlpipe's crop-aware transform with the box's region
+   decoded where a TurboJPEG 3 library is installed, and with simplejpeg's whole decode).
 e. **the 2-core full-decode limit** = cores x the best single-core rate of a *full* decode in
    (d): only decoding less than the whole image can pass it.
 
@@ -66,6 +67,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 
+from dlpipe.loading.jpeg_region import REGION_ENV, region_library
 from dlpipe.machine import proportional_set_size, usable_cpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -216,14 +218,23 @@ def decode_candidates() -> dict[str, Callable[[bytes], torch.Tensor]]:
         image, _ = crop({"jpg": data, "cls": b"0"}, 0, next(counter))
         return image
 
+    def dlpipe_crop_whole(data: bytes) -> torch.Tensor:
+        os.environ[REGION_ENV] = "0"  # read on every decode: no region, simplejpeg whole
+        try:
+            return dlpipe_crop(data)
+        finally:
+            del os.environ[REGION_ENV]
+
     candidates = {
         "PIL decode + PIL transforms": pil,
         "torchvision.io.decode_jpeg + v2 (uint8)": tv_jpeg,
         "torchvision.io.decode_image + v2 (uint8)": tv_image,
         "simplejpeg + v2 (uint8)": sjpeg,
         "PIL draft (>= 2x crop) + PIL transforms": pil_draft,
-        "dlpipe ImageTransform (crop-aware: simplejpeg at DCT scale)": dlpipe_crop,
+        WHOLE_AT_SCALE: dlpipe_crop_whole,
     }
+    if region_library() is not None:
+        candidates[REGION_AT_SCALE] = dlpipe_crop
     try:  # TorchCodec: torchvision's successor for image decoding (optional)
         from torchcodec.decoders import decode_jpeg as torchcodec_jpeg
     except ImportError:
@@ -235,11 +246,10 @@ def decode_candidates() -> dict[str, Callable[[bytes], torch.Tensor]]:
     return {**candidates, "TorchCodec decode_jpeg + v2 (uint8)": tc_jpeg}
 
 
+WHOLE_AT_SCALE = "dlpipe ImageTransform (crop-aware: simplejpeg at DCT scale)"
+REGION_AT_SCALE = "dlpipe ImageTransform (crop-aware: box region at DCT scale, TurboJPEG 3)"
 PARTIAL_DECODES = frozenset(  # candidates that decode less than the whole image
-    {
-        "PIL draft (>= 2x crop) + PIL transforms",
-        "dlpipe ImageTransform (crop-aware: simplejpeg at DCT scale)",
-    }
+    {"PIL draft (>= 2x crop) + PIL transforms", WHOLE_AT_SCALE, REGION_AT_SCALE}
 )
 
 
@@ -315,6 +325,7 @@ def peer_versions() -> dict[str, str]:
         ("DALI", "nvidia-dali-cuda130"),
         ("simplejpeg", "simplejpeg"),
         ("TorchCodec", "torchcodec"),
+        ("turbojpeg (libjpeg-turbo 3, region decode)", "turbojpeg"),
     ):
         try:
             found[name] = version(dist)
@@ -542,7 +553,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "One process, the tuner's stage measurement (`dlpipe.loading.tune.measure_stages`, "
         "after a warm-up), microseconds per sample: read the bytes, the loader's decode (box "
-        "first, DCT scale when it allows), crop + resize + flip, collate into a batch of 64.",
+        "first, DCT scale when it allows, only the box's region where TurboJPEG 3 is "
+        "installed), crop + resize + flip, collate into a batch of 64.",
         "",
         "| format | read | decode | crop + resize + flip | collate | total |",
         "|---|---:|---:|---:|---:|---:|",
@@ -561,7 +573,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"One process, `torch.set_num_threads(1)`, the first {cfg['decode_images']} corpus "
         f"images' bytes in memory, each decoded to RGB and put through RandomResizedCrop(224) + "
         f"flip to a uint8 (3, 224, 224) tensor; median of {cfg['decode_repeats']} pass(es). "
-        "A full decode decodes every pixel; the others decode less (DCT scaling).",
+        "A full decode decodes every pixel; the others decode less (DCT scaling; the box's "
+        "region: the inverse DCT and colour conversion of the rest skipped, the entropy "
+        "decoding up to the box's last row still paid).",
         "",
         "| candidate | decodes | samples/s per core | x fastest |",
         "|---|---|---:|---:|",

@@ -129,6 +129,28 @@ def test_a_custom_transform_runs_on_the_threads(make_dataset) -> None:
     assert any(name.startswith("dlpipe-loader") for name in seen)
 
 
+def test_loader_threads_run_torch_ops_on_one_thread_and_the_caller_keeps_its_own(
+    make_dataset,
+) -> None:
+    """As in a DataLoader worker process, a loader thread's torch ops do not start a team of
+    their own (threads x cores on the cores); the trainer's thread count is untouched."""
+    counts: set[int] = set()
+
+    def label_only(sample):
+        counts.add(torch.get_num_threads())
+        return int(sample["cls"])
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, transform=label_only,
+                                    workers=THREADS)  # fmt: skip
+        assert sum(len(batch) for batch in loader) > 0
+        assert counts == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
