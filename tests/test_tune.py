@@ -9,7 +9,7 @@ import pytest
 
 import dlpipe
 from dlpipe.cli import main
-from dlpipe.loading import tune
+from dlpipe.loading import jpeg_region, tune, verdicts
 
 QUICK = ["--budget", "2", "--max-workers", "2", "--batch-size", "8", "--image-size", "32"]
 
@@ -83,11 +83,24 @@ def _fake(trial: tune.Trial) -> tune.Trial:
 def test_verdict_names_the_stage_that_costs_most() -> None:
     stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440, read_mb_per_s=900)
     best = tune.Trial(2, 2, False, samples_per_s=800)
-    stage, advice = tune.verdict(stages, best, cores=2, image_size=224)
+    stage, advice = verdicts.verdict(stages, best, cores=2, image_size=224)
     assert stage == "decode" and "--max-side 448" in advice
     slow_read = tune.StageRates(read=100, decode=95, transform=94, collate=93, read_mb_per_s=5)
-    stage, advice = tune.verdict(slow_read, best, cores=2, image_size=224)
+    stage, advice = verdicts.verdict(slow_read, best, cores=2, image_size=224)
     assert stage == "read" and "NVMe" in advice
+
+
+@pytest.mark.parametrize(("installed", "crop_decode", "advised"), [
+    (False, True, True), (True, True, False), (False, False, False),
+])  # fmt: skip
+def test_a_decode_bound_train_loader_without_region_decode_is_told_how_to_get_it(
+    installed: bool, crop_decode: bool, advised: bool, monkeypatch
+) -> None:
+    monkeypatch.setattr(jpeg_region, "_library", [object() if installed else None])
+    stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440,
+                             read_mb_per_s=900, crop_decode=crop_decode)  # fmt: skip
+    _, advice = verdicts.verdict(stages, tune.Trial(2, 2, False, samples_per_s=800), 2, 224)
+    assert ("pip install 'dlpipe[jpeg-region]'" in advice) is advised, advice
 
 
 @pytest.mark.parametrize(("gpu_gain", "kept"), [(2.0, "GPU decode kept"), (0.5, "CPU decode kept")])
@@ -107,10 +120,10 @@ def test_a_gpu_target_measures_gpu_decode_and_the_verdict_says_why(
     assert len(gpu) == 1 and gpu[0].pin_memory
     best = max(trials, key=lambda t: t.samples_per_s)
     assert (best.decode == "cuda") == (gpu_gain > 1)
-    advice = tune.decode_verdict(trials)
+    advice = verdicts.decode_verdict(trials)
     assert advice.startswith(f"; {kept}: decoding each batch on the GPU gave")
     assert f"{gpu_gain:.2f}x" in advice
-    assert tune.decode_verdict([t for t in trials if t.decode == "cpu"]) == ""
+    assert verdicts.decode_verdict([t for t in trials if t.decode == "cpu"]) == ""
 
 
 def test_the_stage_table_times_the_loaders_own_crop_aware_decode(make_dataset, monkeypatch):
@@ -133,4 +146,5 @@ def test_the_stage_table_times_the_loaders_own_crop_aware_decode(make_dataset, m
     loader = dlpipe.LoaderConfig(batch_size=4, image_size=8)
     stages = tune.measure_stages(tune.BenchConfig(path=make_dataset("lmdb"), loader=loader), 0.2)
     assert stages.read >= stages.decode >= stages.transform >= stages.collate > 0
+    assert stages.crop_decode
     assert scales and max(scales) >= 2  # 8 px crops of 64-128 px photos decode scaled

@@ -7,7 +7,8 @@ saves is keyed by exactly that config and found again by the loader that uses it
 1. **Stages**, on one process: read the samples' bytes, then + decode, + transform,
    + collate. The per-sample cost each stage adds names the bottleneck. The decode is the
    loader's own: for the train recipe the box is drawn first and the JPEG decoded at the DCT
-   scale the box allows (`ImageTransform.decode_for_crop`), then cropped (``crop_flip``).
+   scale the box allows, only the box's region where TurboJPEG 3 is installed
+   (`ImageTransform.decode_for_crop`), then cropped (``crop_flip``).
 2. **Search**: each trial builds `make_loader` with one setting and measures samples/s after a
    warm-up, in windows, until two windows agree within 5 % (or the trial's time is up). The
    workers are hill-climbed (0, 1, 2, 3, 4, 6, 8, ... up to ``max_workers``): always up to the
@@ -20,6 +21,8 @@ saves is keyed by exactly that config and found again by the loader that uses it
 3. **RAM budget**: worker memory (RSS, measured) is scaled to the next worker count; a trial
    that would not fit in 80 % of the available memory is skipped and says so (threads share
    the loading process's memory and are never skipped).
+
+What the report says about the figures is `dlpipe.loading.verdicts`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSetting
 from dlpipe.loading.dataset import open_dataset
 from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
+from dlpipe.loading.verdicts import decode_verdict, verdict
 from dlpipe.machine import available_memory, proportional_set_size, usable_cpus
 from dlpipe.manifest import read_manifest
 
@@ -49,9 +53,7 @@ __all__ = [
     "StageRates",
     "Trial",
     "bench_loader",
-    "decode_verdict",
     "save_winner",
-    "verdict",
 ]
 
 _MEMORY_SHARE = 0.8
@@ -99,6 +101,7 @@ class StageRates:
     transform: float
     collate: float
     read_mb_per_s: float
+    crop_decode: bool = False  # the train recipe's crop-aware decode was measured
 
     def costs(self) -> dict[str, float]:
         """Seconds per sample each stage adds."""
@@ -223,6 +226,7 @@ def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
         transform=transform_rate,
         collate=collate,
         read_mb_per_s=nbytes / 1e6 / max(read_s, 1e-9),
+        crop_decode=transform.recipe == "train" and transform.decode == "crop",
     )
 
 
@@ -338,22 +342,6 @@ def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None)
     return trials
 
 
-def decode_verdict(trials: list[Trial]) -> str:
-    """Why the GPU or the CPU decodes (empty when GPU decode was not measured)."""
-    measured = [t for t in trials if not t.skipped]
-    gpu = [t for t in measured if t.decode == "cuda"]
-    if not gpu:
-        return ""
-    cpu = max((t for t in measured if t.decode == "cpu"), key=lambda t: t.samples_per_s)
-    fast = max(gpu, key=lambda t: t.samples_per_s)
-    ratio = fast.samples_per_s / max(cpu.samples_per_s, 1e-9)
-    kept = "GPU decode kept" if ratio > 1 else "CPU decode kept"
-    return (
-        f"; {kept}: decoding each batch on the GPU gave {fast.samples_per_s:.0f} samples/s, "
-        f"{ratio:.2f}x the {cpu.samples_per_s:.0f} of decoding in the workers"
-    )
-
-
 def _climb(run: Callable[[Trial], Trial], ladder: list[Trial], cores: int) -> Trial:
     """Run `ladder` (one engine, more workers each step) until, past the core count, two
     trials in a row are slower than the best, or one is skipped; the best trial."""
@@ -369,40 +357,6 @@ def _climb(run: Callable[[Trial], Trial], ladder: list[Trial], cores: int) -> Tr
             break  # past the core count, two worse trials in a row end the climb
     assert best is not None, "the first rung of a climb is never skipped"
     return best
-
-
-def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tuple[str, str]:
-    """(bottleneck, advice in plain words)."""
-    costs = stages.costs()
-    total = sum(costs.values())
-    stage = max(costs, key=lambda k: costs[k])
-    share = 100 * costs[stage] / total
-    single = stages.collate
-    rate = f"{best.samples_per_s:.0f} samples/s with {best.describe()}"
-    if stage == "read":
-        advice = (
-            f"I/O-bound: reading is {share:.0f}% of the per-sample time "
-            f"({stages.read_mb_per_s:.0f} MB/s on one process); move the data to local "
-            "NVMe (DLPIPE_DATA_DIR) or give the loader more workers"
-        )
-    elif stage == "decode":
-        advice = (
-            f"decode-bound: decoding is {share:.0f}% of the per-sample time; re-convert "
-            f"with --max-side {max(2 * image_size, 160)} to store smaller images"
-        )
-    elif stage == "transform":
-        advice = (
-            f"transform-bound: crop and resize are {share:.0f}% of the per-sample time; "
-            "a smaller --image-size, or augmentation on the GPU, would help"
-        )
-    else:
-        advice = f"collate-bound: batching is {share:.0f}% of the per-sample time"
-    if best.samples_per_s < 0.7 * single * cores and best.num_workers >= cores:
-        advice += (
-            f"; the loader reaches {rate}, {best.samples_per_s / (single * cores):.0%} of "
-            f"{cores} cores x one process's {single:.0f} samples/s"
-        )
-    return stage, f"{advice} (best: {rate})"
 
 
 def bench_loader(
