@@ -16,7 +16,8 @@ Crop-aware (the box drawn from the header size first, then a DCT-scaled decode a
 
 - ``pillow draft``: ``Image.draft("RGB", ...)`` picks the scale;
 - ``dlpipe crop``: ``ImageTransform("train")`` at the scale dlpipe picks (only the box's region
-  where a TurboJPEG 3 library is installed, else simplejpeg's whole decode).
+  where a TurboJPEG 3 library is installed, else simplejpeg's whole decode);
+- ``dlpipe crop, whole``: the same with the region decode off (``DLPIPE_JPEG_REGION=0``).
 
 Corpora: the photo-like corpus of ``benchmarks/corpus.py`` (ImageNet-sized, mean ~400x350 px)
 at S = 224 and S = 160, and a few large photo-like images (~1600x1200 px, the same generator)
@@ -59,6 +60,7 @@ from corpus import QUALITY, cached_corpus, corpus_files, pink_noise, scene
 from machine import machine_info
 
 import dlpipe
+from dlpipe.loading.jpeg_region import REGION_ENV
 from dlpipe.loading.transforms import ImageTransform, dct_factor
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -126,12 +128,20 @@ def candidates(size: int) -> dict[str, Candidate]:
     def dlpipe_crop(data: bytes, index: int) -> torch.Tensor:
         return crop({"jpg": data}, 0, index)[0]
 
+    def dlpipe_crop_whole(data: bytes, index: int) -> torch.Tensor:
+        os.environ[REGION_ENV] = "0"  # read on every decode: simplejpeg's whole decode
+        try:
+            return crop({"jpg": data}, 0, index)[0]
+        finally:
+            del os.environ[REGION_ENV]
+
     return {
         "torchvision.io": tv_io,
         "pillow": pillow,
         "simplejpeg": sjpeg,
         "dlpipe full": dlpipe_full,
         "pillow draft": pillow_draft,
+        "dlpipe crop, whole": dlpipe_crop_whole,
         "dlpipe crop": dlpipe_crop,
     }
 

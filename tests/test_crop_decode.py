@@ -105,6 +105,24 @@ def test_a_seeded_generator_draws_torchvision_make_params_own_box(min_scale: flo
         assert tuple(transform.sample_box(width, height, generator)) == expected
 
 
+@pytest.mark.parametrize("size", [24, 224])
+def test_the_full_path_is_torchvisions_random_resized_crop_and_flip_pixel_for_pixel(
+    size: int,
+) -> None:
+    """``decode="full"``, the reference the crop-aware path is held to, is v2's own
+    RandomResizedCrop + RandomHorizontalFlip on the same decode and the same draws (its resize
+    kernel is called directly): downscales, upscales, odd shapes, PNG."""
+    images = [photo(400, 300), photo(5, 7), photo(1001, 3), photo(97, 61, format="PNG")]
+    transform = ImageTransform("train", size, "jpg", decode="full")
+    reference = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
+    for index in range(24):
+        data = images[index % len(images)]
+        ours, _ = transform({"jpg": data}, 0, index)
+        torch.default_generator.manual_seed(transform.generator(0, index).initial_seed())
+        theirs = reference(transforms_module.decode_rgb(data))
+        assert torch.equal(ours, theirs), index
+
+
 def test_the_box_test_tells_another_distribution() -> None:
     """The same test rejects a different crop scale: it has power, it is not a formality."""
     ours, reference = dlpipe_boxes(400, 300, 0.3, 3000), reference_boxes(400, 300, (0.08, 1), 3000)

@@ -60,7 +60,8 @@ def _candidates() -> list[str]:
     spec = importlib.util.find_spec("turbojpeg")
     if spec is not None and spec.origin and not spec.origin.endswith(".py"):
         module = Path(spec.origin)  # the wheel's extension module, linked to its bundled copy
-        for folder in (module.parent / "turbojpeg.libs", module.parent / ".dylibs"):
+        folders = ("turbojpeg.libs", "turbojpeg.dylibs", ".dylibs")  # auditwheel, delvewheel,
+        for folder in (module.parent / name for name in folders):  # delocate's folders
             found += sorted(str(p) for p in folder.glob("*turbojpeg*"))
         found.append(str(module))  # dlsym through the module also finds its dependencies
     system = ctypes.util.find_library("turbojpeg")
