@@ -791,3 +791,19 @@ def test_a_field_named_like_an_offsets_dataset_still_reads(tmp_path) -> None:
     samples = [{"__key__": f"s{i}", "cls": b"1", "x.offsets": b"abc" * i} for i in range(3)]
     path = tiny_dataset(tmp_path, "hdf5", samples)
     assert [s["x.offsets"] for s in read_all(path)] == [s["x.offsets"] for s in samples]
+
+
+def test_a_tar_shard_cut_short_while_it_is_read_is_a_named_error(tmp_path) -> None:
+    """Member data is read straight from the open shard file at its offset: a file that
+    shrinks under the reader (another process rewriting it) is a corrupt shard naming the
+    member, never a sample with short bytes."""
+    text = b"x" * 100_000
+    samples = [{"__key__": f"s{i}", "cls": b"1", "txt": text} for i in range(6)]
+    path = write_dataset(tmp_path / "data", "wds", {"train": samples})
+    shard = first_shard(path)
+    reading = iter(dlpipe.open_dataset(path, "train").readers[0])  # the shard's own reader
+    assert bytes(next(reading)["txt"]) == text
+    os.truncate(shard, shard.stat().st_size // 2)  # where the fourth sample's text begins
+    with pytest.raises(dlpipe.ShardCorruptError, match=re.escape(shard.name)) as caught:
+        list(reading)
+    assert "sample 3: member 's3.txt' ends after 0 of its 100000 bytes" in str(caught.value)

@@ -212,8 +212,8 @@ class WdsReader(ShardReader):
     def iter_from(self, start: int) -> Generator[Sample, None, None]:
         """Samples from index `start` on; earlier members are seeked over, not read."""
         position = [start]
-        with self._tar(position) as tar:
-            for key, fields in _group(tar, self, start):
+        with self._tar(position) as (tar, direct):
+            for key, fields in _group(tar, self, start, direct=direct):
                 yield self.make_sample(position[0], key, fields)
                 position[0] += 1
         if position[0] != self.info.samples:
@@ -224,7 +224,7 @@ class WdsReader(ShardReader):
     def count_samples(self) -> int:
         """From the member headers alone (each one checked); no member data is read."""
         position = [0]
-        with self._tar(position) as tar:
+        with self._tar(position) as (tar, _):
             for key, fields in _group(tar, self, read=False):
                 try:
                     check_schema(key, fields, self.fields)
@@ -234,12 +234,14 @@ class WdsReader(ShardReader):
         return position[0]
 
     @contextlib.contextmanager
-    def _tar(self, position: list[int]) -> Iterator[tarfile.TarFile]:
-        """The shard as a tar; its errors become named ones at the sample ``position[0]``."""
+    def _tar(self, position: list[int]) -> Iterator[tuple[tarfile.TarFile, IO[bytes] | None]]:
+        """The shard as a tar, and the file itself when it seeks (member data is then read
+        from it directly, not through tarfile's per-member file objects); its errors become
+        named ones at the sample ``position[0]``."""
         self.handle()  # checks the file and its size against the manifest
         try:
             with self._open_file() as f, _open_tar(f) as tar:
-                yield tar
+                yield tar, (f if f.seekable() else None)
         except ShardCorruptError:
             raise
         except _RefusedHeader as exc:
@@ -279,10 +281,16 @@ def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
 
 
 def _group(
-    tar: tarfile.TarFile, reader: WdsReader, skip: int = 0, *, read: bool = True
+    tar: tarfile.TarFile,
+    reader: WdsReader,
+    skip: int = 0,
+    *,
+    read: bool = True,
+    direct: IO[bytes] | None = None,
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, fields) of consecutive members; the first `skip` samples' data is never read (nor
-    any with `read` False: the fields then hold empty bytes)."""
+    any with `read` False: the fields then hold empty bytes). With `direct` (the seekable
+    shard file) a member's data is one seek and read at its offset."""
     key: str | None = None
     fields: dict[str, bytes] = {}
     index = -1
@@ -298,11 +306,30 @@ def _group(
         if index < skip or not read:
             fields[field] = b""
             continue
-        data = tar.extractfile(member)
-        assert data is not None  # regular files always have data
-        fields[field] = data.read()
+        fields[field] = _member_data(tar, member, direct, reader, index)
     if key is not None and index >= skip:
         yield key, fields
+
+
+def _member_data(
+    tar: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    direct: IO[bytes] | None,
+    reader: WdsReader,
+    index: int,
+) -> bytes:
+    """A checked member's data (tarfile seeks back to the next header by itself)."""
+    if direct is None:
+        stream = tar.extractfile(member)
+        assert stream is not None  # regular files always have data
+        return stream.read()
+    direct.seek(member.offset_data)
+    data = direct.read(member.size)
+    if len(data) != member.size:
+        raise reader.corrupt(
+            f"member {member.name!r} ends after {len(data)} of its {member.size} bytes", index
+        )
+    return data
 
 
 def _check_extent(member: tarfile.TarInfo, reader: WdsReader, index: int) -> None:
