@@ -115,6 +115,13 @@ class Probe:
     def on_system_disk(self, path: str) -> bool:
         return storage.on_system_disk(path)
 
+    def jpeg_region_library(self) -> str | None:
+        """The file of the libjpeg-turbo 3 library train crops decode regions with, or None."""
+        from dlpipe.loading.jpeg_region import region_library
+
+        library = region_library()
+        return None if library is None else str(getattr(library, "_name", "libturbojpeg"))
+
     def rotational(self, path: str) -> bool | None:
         """True for a spinning disk, False for solid state, None when the OS does not say."""
         dev = os.stat(storage.existing_ancestor(path)).st_dev
@@ -138,6 +145,7 @@ def run_checks(probe: Probe) -> list[Check]:
         _cores(probe, gpus),
         _shm(probe),
         _open_files(probe),
+        _jpeg_decode(probe),
         *_data_disk(probe),
     ]
     return checks
@@ -298,6 +306,17 @@ def _open_files(probe: Probe) -> Check:
             "raise it: ulimit -n 65536 (or nofile in /etc/security/limits.conf)",
         )
     return Check("open files", "ok", detail)
+
+
+def _jpeg_decode(probe: Probe) -> Check:
+    from dlpipe.loading.jpeg_region import INSTALL_HINT
+
+    library = probe.jpeg_region_library()
+    if library is not None:
+        name = os.path.basename(library)
+        return Check("jpeg decode", "ok", f"train crops decode only the box's region ({name})")
+    detail = "train crops decode whole JPEGs: no libjpeg-turbo 3 with a cropping region here"
+    return Check("jpeg decode", "info", detail, INSTALL_HINT)
 
 
 def _data_disk(probe: Probe) -> list[Check]:

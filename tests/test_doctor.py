@@ -38,6 +38,7 @@ class FakeProbe(Probe):
     free: int = 500 * 10**9
     system_disk: bool = False
     spinning: bool | None = False
+    region_library: str | None = "/site-packages/turbojpeg.libs/libturbojpeg-dd00d054.so.0.3.0"
 
     def torch_version(self) -> str:
         return "2.5.1"
@@ -80,6 +81,9 @@ class FakeProbe(Probe):
 
     def rotational(self, path: str) -> bool | None:
         return self.spinning
+
+    def jpeg_region_library(self) -> str | None:
+        return self.region_library
 
 
 A100 = GpuInfo("NVIDIA A100-SXM4-80GB", 80 * GiB, (8, 0))
@@ -160,3 +164,19 @@ def test_a_problem_makes_the_exit_code_1(monkeypatch, capsys) -> None:
 def test_an_unreadable_topology_is_only_information(text) -> None:
     probe = FakeProbe(fake_gpus=[A100] * 2, driver_cuda="12.4", topo=text, ram=400 * GiB)
     assert by_name(probe)["interconnect"].status == "info"
+
+
+def test_a_machine_without_region_decode_is_told_the_extra_that_gives_it() -> None:
+    with_it = by_name(FakeProbe())["jpeg decode"]
+    assert with_it.status == "ok" and "libturbojpeg-dd00d054.so.0.3.0" in with_it.detail
+    without = by_name(FakeProbe(region_library=None))["jpeg decode"]
+    assert without.status == "info" and "pip install 'dlpipe[jpeg-region]'" in without.fix
+
+
+def test_the_real_probe_finds_what_the_loader_decodes_with(monkeypatch) -> None:
+    from dlpipe.loading import jpeg_region
+
+    found = Probe().jpeg_region_library()
+    assert (found is None) == (jpeg_region.region_library() is None)
+    monkeypatch.setenv(jpeg_region.REGION_ENV, "0")
+    assert Probe().jpeg_region_library() is None

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dlpipe.loading.jpeg_region import region_library
+from dlpipe.loading.jpeg_region import INSTALL_HINT, region_library
 
 if TYPE_CHECKING:  # tune builds these and imports this module
     from dlpipe.loading.tune import StageRates, Trial
 
-__all__ = ["REGION_ADVICE", "decode_verdict", "verdict"]
-
-REGION_ADVICE = (
-    "pip install 'dlpipe[jpeg-region]' so that train crops decode only the box's region "
-    "(the same pixels; 9 % less CPU per sample measured on ImageNet-sized photos)"
-)
+__all__ = ["decode_verdict", "verdict"]
 
 
 def decode_verdict(trials: list[Trial]) -> str:
@@ -54,7 +49,7 @@ def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tup
             f"with --max-side {max(2 * image_size, 160)} to store smaller images"
         )
         if stages.crop_decode and region_library() is None:
-            advice += f", or {REGION_ADVICE}"
+            advice += f", or {INSTALL_HINT}"
     elif stage == "transform":
         advice = (
             f"transform-bound: crop and resize are {share:.0f}% of the per-sample time; "
