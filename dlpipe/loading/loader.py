@@ -58,7 +58,7 @@ from dlpipe.loading.profile import LoaderProfile, select_profile
 from dlpipe.loading.stages import Stages, make_stages
 from dlpipe.loading.state import require_equal, require_fields
 from dlpipe.loading.transforms import ImageTransform, image_field
-from dlpipe.loading.views import MapView, Piece, StreamView, shard_runs
+from dlpipe.loading.views import MapView, Piece, StreamView, shard_runs, unpack_rows
 from dlpipe.processes import stop_signals_blocked
 from dlpipe.sample import Sample
 
@@ -203,7 +203,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
             if piece.samples is None:
                 yield piece.batch, piece.shards
                 continue
-            left += piece.samples
+            left += unpack_rows(piece.samples)
             shards += [shard for shard, count in piece.shards for _ in range(count)]
             while len(left) >= self._batch_size:
                 yield self._take_left(left, shards, self._batch_size)

@@ -16,6 +16,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.utils.data
 
@@ -23,7 +24,16 @@ from dlpipe.loading.dataset import MapDataset, StreamDataset
 from dlpipe.loading.order import StreamOrder
 from dlpipe.sample import KEY_FIELD, Sample
 
-__all__ = ["MapView", "Piece", "StreamView", "apply_transform", "collate", "shard_runs"]
+__all__ = [
+    "MapView",
+    "Piece",
+    "StreamView",
+    "apply_transform",
+    "collate",
+    "pack_rows",
+    "shard_runs",
+    "unpack_rows",
+]
 
 
 class MapView(torch.utils.data.Dataset):
@@ -45,7 +55,7 @@ class Piece(NamedTuple):
     (the main process merges them), and the shards they came from as (shard, count) runs."""
 
     batch: Any
-    samples: list[Any] | None
+    samples: Any  # a list of samples, or a worker's `pack_rows` of them; None with a batch
     shards: list[tuple[int, int]]
 
 
@@ -106,8 +116,71 @@ class StreamView(torch.utils.data.IterableDataset):
                 yield Piece(self.collate(batch), None, shard_runs(shards))
                 batch, shards = [], []
         if batch:
-            yield Piece(None, batch, shard_runs(shards))
+            in_worker = torch.utils.data.get_worker_info() is not None
+            rows = pack_rows(batch) if in_worker else batch
+            yield Piece(None, rows, shard_runs(shards))
         self.order.finish()
+
+
+class _Rows(NamedTuple):
+    """Leftover samples packed by a worker: `pack_rows`'s nested structure, with each tensor
+    as a `_TensorArray`."""
+
+    rows: list[Any]
+
+
+class _TensorArray(NamedTuple):
+    """A tensor carried as its bytes (the DataLoader turns numpy arrays back into tensors)."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def pack_rows(rows: list[Any]) -> _Rows:
+    """A stream worker's last few samples (each uncollated) for the trip to the loader, with
+    their tensors as bytes: those pickle into the worker's pipe, where a tensor goes
+    through a shared-memory segment of its own, a file descriptor sent over a socket per
+    tensor (measured: 1.6 ms per 224 px image, a 5 % CPU tax on an 800-image epoch).
+    Full batches keep shared memory: one segment per batch. `unpack_rows` undoes it."""
+    return _Rows([_map_leaves(row, _to_array) for row in rows])
+
+
+def unpack_rows(rows: Any) -> list[Any]:
+    """The samples `pack_rows` packed (a list of unpacked samples passes through as it is)."""
+    if isinstance(rows, _Rows):
+        return [_map_leaves(row, _from_array) for row in rows.rows]
+    return list(rows)
+
+
+def _to_array(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+        try:
+            array = leaf.numpy()
+        except (TypeError, RuntimeError):  # a dtype numpy has not (bfloat16), or grad
+            return leaf
+        return _TensorArray(array.tobytes(), array.dtype.str, array.shape)
+    return leaf
+
+
+def _from_array(leaf: Any) -> Any:
+    if not isinstance(leaf, _TensorArray):
+        return leaf
+    array = np.frombuffer(bytearray(leaf.data), dtype=np.dtype(leaf.dtype))
+    return torch.from_numpy(array.reshape(leaf.shape))
+
+
+def _map_leaves(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """`fn` applied to every leaf of nested tuples (named too), lists and dicts."""
+    if isinstance(value, _TensorArray | torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map_leaves(v, fn) for v in value))
+    if isinstance(value, list | tuple):
+        return type(value)(_map_leaves(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, fn) for k, v in value.items()}
+    return fn(value)
 
 
 def apply_transform(
