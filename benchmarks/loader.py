@@ -28,8 +28,9 @@ e. **the 2-core full-decode limit** = cores x the best single-core rate of a *fu
 Each loader is built once, warmed up (max(2, W + 1) batches: worker start and first
 prefetch), then timed over a fixed number of batches (default 10, epochs wrap around), five
 times; the figure is the median window (one window with ``--quick``). Each row also gives the
-warm-up time (to the first batches) and the memory: the proportional set size of this process
-and its worker processes. Decode candidates are
+warm-up time (to the first batches), the memory (the proportional set size of this process
+and its worker processes) and the loading process's own CPU per sample: with worker processes,
+what receiving their batches costs it (the IPC). Decode candidates are
 timed over the first images of the corpus, median of 3 passes (1 with ``--quick``).
 
 Run from the repository root, in the venv where dlpipe is installed (~4-6 min on 2 cores)::
@@ -151,14 +152,15 @@ def time_loader(
     memory = pss_bytes()
     assert images.dtype == torch.uint8 and tuple(images.shape) == (BATCH, 3, SIZE, SIZE)
     assert labels.dtype == torch.int64 and labels.shape == (BATCH,)
-    rates, per_cpu = [], []
+    rates, per_cpu, own = [], [], []
     for _ in range(windows):
-        count, start, cpu = 0, time.perf_counter(), cpu_seconds()
+        count, start, cpu, mine = 0, time.perf_counter(), cpu_seconds(), time.process_time()
         for _ in range(batches):
             images, _ = next(it)
             count += len(images)
         rates.append(count / (time.perf_counter() - start))
         per_cpu.append(count / max(cpu_seconds() - cpu, 1e-9))
+        own.append((time.process_time() - mine) / count * 1e6)
     close = getattr(loader, "close", None)
     if close is not None:
         close()
@@ -167,6 +169,7 @@ def time_loader(
         "rates": rates,
         "samples_per_s": statistics.median(rates),
         "samples_per_cpu_s": statistics.median(per_cpu),
+        "loading_process_us": statistics.median(own),  # with workers: receiving the batches
         "warmup_s": warmup_s,
         "pss_mb": max(memory, pss_bytes()) / 1e6,
     }
@@ -533,19 +536,25 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Every loader measurement",
         "",
-        "| contender | workers | samples/s | samples per CPU-s | windows | warm-up s "
-        "| memory (PSS) MB |",
-        "|---|---:|---:|---:|---|---:|---:|",
+        "The loading process's CPU per sample is everything with 0 workers or threads; with "
+        "worker processes it is what receiving their batches costs (unpickling, shared-memory "
+        "handles, merging a stream's leftovers): the IPC.",
+        "",
+        "| contender | workers | samples/s | samples per CPU-s | loading process CPU µs "
+        "per sample | windows | warm-up s | memory (PSS) MB |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['contender']} | {r['workers']} | error: {r['error']} | - | - | - |")
+            lines.append(
+                f"| {r['contender']} | {r['workers']} | error: {r['error']} | - | - | - | - | - |"
+            )
         else:
             windows = ", ".join(f"{x:.0f}" for x in r["rates"])
             lines.append(
                 f"| {r['contender']} | {r['workers']} | {r['samples_per_s']:,.1f} "
-                f"| {r['samples_per_cpu_s']:,.1f} | {windows} | {r['warmup_s']:.2f} "
-                f"| {r['pss_mb']:,.0f} |"
+                f"| {r['samples_per_cpu_s']:,.1f} | {r['loading_process_us']:,.0f} | {windows} "
+                f"| {r['warmup_s']:.2f} | {r['pss_mb']:,.0f} |"
             )
     lines += [
         "",
