@@ -22,8 +22,12 @@ PACKAGE = Path(dlpipe.__file__).parent
 CORE = sorted(PACKAGE.glob("*.py")) + sorted((PACKAGE / "formats").glob("*.py"))
 LOADING = sorted((PACKAGE / "loading").glob("*.py"))
 WIRING = {"cli.py", "demo.py"}  # may import any room, inside functions only
-# a subcommand's handler module, which only cli.py imports (inside a function): CLI wiring
-HANDLERS = {"tune_command.py": ("dlpipe.loading",)}
+# a subcommand's handler module, which only cli.py imports (inside a function): CLI wiring,
+# allowed into what it names (doctor: only the fact of which JPEG decoder the loader uses)
+HANDLERS = {
+    "tune_command.py": ("dlpipe.loading",),
+    "doctor.py": ("dlpipe.loading.jpeg_region",),
+}
 ROOMS = ("dlpipe.converters", "dlpipe.train", "dlpipe.loading")
 
 
