@@ -807,3 +807,67 @@ def test_a_tar_shard_cut_short_while_it_is_read_is_a_named_error(tmp_path) -> No
     with pytest.raises(dlpipe.ShardCorruptError, match=re.escape(shard.name)) as caught:
         list(reading)
     assert "sample 3: member 's3.txt' ends after 0 of its 100000 bytes" in str(caught.value)
+
+
+def wds_outcome(path: str) -> str:
+    """Every sample of the split, or the error that stops the read."""
+    try:
+        return repr([dict(sample) for sample in read_all(path)])
+    except dlpipe.DlpipeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def with_tarfile_only(monkeypatch: pytest.MonkeyPatch, read: Callable[[], str]) -> str:
+    """`read` with every header left to tarfile's parser (dlpipe's template parser off)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(dlpipe.formats.wds, "_template_member", lambda header, offset: None)
+        return read()
+
+
+def test_dlpipe_headers_skip_tarfiles_parser_and_read_the_same(tmp_path, monkeypatch) -> None:
+    path = tiny_dataset(tmp_path, "wds")
+    parsed: list[int] = []
+    real = dlpipe.formats.wds._template_member
+
+    def recorded(header: bytes, offset: int):
+        member = real(header, offset)
+        parsed.extend([offset] if member is not None else [])
+        return member
+
+    monkeypatch.setattr(dlpipe.formats.wds, "_template_member", recorded)
+    fast = wds_outcome(path)
+    assert parsed == [1024 * i for i in range(2 * len(TINY))]  # every member
+    assert fast == with_tarfile_only(monkeypatch, lambda: wds_outcome(path))
+    assert fast.startswith("[{")
+
+
+def with_checksum(header: bytearray) -> bytearray:
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return header
+
+
+@pytest.mark.parametrize("fix_checksum", [False, True], ids=["flipped", "flipped-resummed"])
+def test_any_byte_of_a_header_changed_reads_as_tarfile_reads_it(
+    fix_checksum, tmp_path, monkeypatch
+) -> None:
+    """Every byte of the second member's header flipped in turn (and the checksum made right
+    again, or not): dlpipe's template parser and tarfile's give the same samples or the same
+    named error, so the template parser accepts nothing tarfile would read otherwise."""
+    path = tiny_dataset(tmp_path, "wds")
+    shard = first_shard(path)
+    body = shard.read_bytes()
+    outcomes = set()
+    for position in range(512):
+        if fix_checksum and 148 <= position < 156:
+            continue
+        changed = bytearray(body)
+        changed[1024 + position] ^= 0x01
+        if fix_checksum:
+            changed[1024 : 1024 + 512] = with_checksum(changed[1024 : 1024 + 512])
+        shard.write_bytes(changed)
+        resync_manifest(path)
+        fast = wds_outcome(path)
+        assert fast == with_tarfile_only(monkeypatch, lambda: wds_outcome(path)), position
+        outcomes.add(fast.split(":")[0] if not fast.startswith("[") else "samples")
+    assert "ShardCorruptError" in outcomes and "samples" in outcomes  # both kinds were seen
