@@ -102,6 +102,8 @@ def region_library() -> ctypes.CDLL | None:
     2.x library only, or ``DLPIPE_JPEG_REGION=0``)."""
     if os.environ.get(REGION_ENV, "1") == "0":
         return None
+    if _library:  # looked up already: no lock on the per-sample path
+        return _library[0]
     with _lock:
         if not _library:
             bound = (_bind(path) for path in _candidates())
