@@ -307,8 +307,10 @@ def _seekable_members(f: IO[bytes]) -> Iterator[tarfile.TarInfo]:
         offset = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
     if offset > 0 and header == _ZERO_BLOCK:
         return  # the end-of-archive blocks after dlpipe's members
-    if offset > 0 and len(_block_at(f, offset - 1)) == 0:  # tarfile's own check, as it moves
-        raise tarfile.ReadError("unexpected end of data")  # past a member cut short
+    if offset > 0:  # tarfile's own check as it moves past a member: the member is all there
+        f.seek(offset - 1)
+        if not f.read(1):
+            raise tarfile.ReadError("unexpected end of data")
     f.seek(offset)
     with tarfile.open(fileobj=f, mode="r:", tarinfo=_StrictTarInfo) as tar:
         yield from _members(tar)
