@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,25 @@ __all__ = [
     "generated_line",
     "log",
     "met",
+    "without_region_decode",
     "write_results",
 ]
+
+
+def without_region_decode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with dlpipe's region JPEG decode off for each call (``DLPIPE_JPEG_REGION=0``,
+    read on every decode): the crop-aware transform decodes the whole image through
+    simplejpeg, so the two can be timed side by side in one process."""
+    from dlpipe.loading.jpeg_region import REGION_ENV
+
+    def call(*args: Any) -> Any:
+        os.environ[REGION_ENV] = "0"
+        try:
+            return fn(*args)
+        finally:
+            del os.environ[REGION_ENV]
+
+    return call
 
 
 def log(text: str) -> None:

@@ -55,12 +55,17 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import convert_corpus, generated_line, log, write_results  # siblings
+from common import (  # siblings
+    convert_corpus,
+    generated_line,
+    log,
+    without_region_decode,
+    write_results,
+)
 from corpus import QUALITY, cached_corpus, corpus_files, pink_noise, scene
 from machine import machine_info
 
 import dlpipe
-from dlpipe.loading.jpeg_region import REGION_ENV
 from dlpipe.loading.transforms import ImageTransform, dct_factor
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -128,20 +133,13 @@ def candidates(size: int) -> dict[str, Candidate]:
     def dlpipe_crop(data: bytes, index: int) -> torch.Tensor:
         return crop({"jpg": data}, 0, index)[0]
 
-    def dlpipe_crop_whole(data: bytes, index: int) -> torch.Tensor:
-        os.environ[REGION_ENV] = "0"  # read on every decode: simplejpeg's whole decode
-        try:
-            return crop({"jpg": data}, 0, index)[0]
-        finally:
-            del os.environ[REGION_ENV]
-
     return {
         "torchvision.io": tv_io,
         "pillow": pillow,
         "simplejpeg": sjpeg,
         "dlpipe full": dlpipe_full,
         "pillow draft": pillow_draft,
-        "dlpipe crop, whole": dlpipe_crop_whole,
+        "dlpipe crop, whole": without_region_decode(dlpipe_crop),
         "dlpipe crop": dlpipe_crop,
     }
 

@@ -76,11 +76,18 @@ from torchvision.datasets import ImageFolder
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 
-from dlpipe.loading.jpeg_region import REGION_ENV, region_library
+from dlpipe.loading.jpeg_region import region_library
 from dlpipe.machine import proportional_set_size, usable_cpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import convert_corpus, generated_line, log, met, write_results  # sibling script
+from common import (  # sibling script
+    convert_corpus,
+    generated_line,
+    log,
+    met,
+    without_region_decode,
+    write_results,
+)
 from corpus import DEFAULT_CORPUS, cached_corpus, corpus_files  # siblings
 from machine import machine_info as shared_machine_info
 from peers import dali_available, dali_loader, ffcv_available, ffcv_loader
@@ -229,20 +236,13 @@ def decode_candidates() -> dict[str, Callable[[bytes], torch.Tensor]]:
         image, _ = crop({"jpg": data, "cls": b"0"}, 0, next(counter))
         return image
 
-    def dlpipe_crop_whole(data: bytes) -> torch.Tensor:
-        os.environ[REGION_ENV] = "0"  # read on every decode: no region, simplejpeg whole
-        try:
-            return dlpipe_crop(data)
-        finally:
-            del os.environ[REGION_ENV]
-
     candidates = {
         "PIL decode + PIL transforms": pil,
         "torchvision.io.decode_jpeg + v2 (uint8)": tv_jpeg,
         "torchvision.io.decode_image + v2 (uint8)": tv_image,
         "simplejpeg + v2 (uint8)": sjpeg,
         "PIL draft (>= 2x crop) + PIL transforms": pil_draft,
-        WHOLE_AT_SCALE: dlpipe_crop_whole,
+        WHOLE_AT_SCALE: without_region_decode(dlpipe_crop),
     }
     if region_library() is not None:
         candidates[REGION_AT_SCALE] = dlpipe_crop
