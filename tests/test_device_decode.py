@@ -20,7 +20,12 @@ import dlpipe
 from dlpipe.errors import FieldDecodeError
 from dlpipe.loading import stages as stages_module
 from dlpipe.loading.config import LoaderConfigError
-from dlpipe.loading.device_decode import DecodeDeviceError, EncodedImage, PlannedTransform
+from dlpipe.loading.device_decode import (
+    DecodeDeviceError,
+    EncodedImage,
+    PlannedTransform,
+    collate_planned,
+)
 from dlpipe.loading.transforms import ImageTransform
 
 CUDA = torch.cuda.is_available()
@@ -116,6 +121,25 @@ def test_what_the_device_cannot_decode_is_decoded_in_the_worker(tmp_path, cpu_as
     assert finished == 8
 
 
+@pytest.mark.parametrize("count", [3, 12])
+def test_a_planned_batch_travels_as_a_few_tensors_whatever_its_size(count) -> None:
+    """Every JPEG of the batch end to end in one tensor, the worker-made crops stacked in
+    another: the trip to the main process costs the same few tensors for 3 samples or 12."""
+    samples = photo_samples(count, kinds=("jpg", "png", "grey"))
+    planner = PlannedTransform(ImageTransform("train", 48, "jpg", seed=3))
+    planned, labels = collate_planned([planner(s, 0, i) for i, s in enumerate(samples)])
+    tensors = [field for field in planned if isinstance(field, torch.Tensor)]
+    assert len(tensors) == 6 and labels.tolist() == [i % 3 for i in range(count)]
+    jpegs = [i for i in range(count) if i % 3 != 1]
+    assert planned.encoded_at.tolist() == jpegs and planned.samples == count
+    bounds = planned.offsets.tolist()
+    for j, i in enumerate(jpegs):
+        assert bytes(planned.data[bounds[j] : bounds[j + 1]].numpy()) == samples[i]["jpg"]
+        assert planned.keys[j] == samples[i]["__key__"]
+    pngs = [i for i in range(count) if i % 3 == 1]
+    assert planned.finished_at.tolist() == pngs and planned.finished.shape == (len(pngs), 3, 48, 48)
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "wds"])
 def test_a_device_decode_state_resumes_exactly(fmt, tmp_path, cpu_as_device) -> None:
     path = write_dataset(tmp_path / fmt, fmt, {"train": photo_samples(24)}, max_shard_samples=6)
@@ -175,7 +199,8 @@ def test_nvjpeg_batches_are_on_the_gpu_and_match_the_cpu(tmp_path) -> None:
     loader = dlpipe.make_loader(path, batch_size=4, image_size=48, seed=3, decode="cuda")
     images, _ = next(iter(loader))
     assert images.is_cuda and images.dtype == torch.uint8
-    device = [(a.cpu(), b) for a, b in loader]
+    # a fresh loader: each iter() is the next epoch, another order
+    device = _pairs(path, "cuda", num_workers=2)
     assert _compare(device, _pairs(path, "cpu", num_workers=0)) < 3.0  # nvJPEG's own IDCT
 
 

@@ -4,10 +4,14 @@ With ``decode="cuda"`` a loader's workers (or threads) do no pixel work for a JP
 the header (size, colour space), checks the pixel limit, draws the train crop's box and flip
 from the sample's seeded generator (the very draws the CPU path makes, so a GPU-decoded sample
 is the CPU-decoded one within decoder and interpolation error) or computes the eval resize and
-centre crop, and sends the encoded bytes with that plan (`EncodedImage`). The main process
-decodes the whole batch in one call (``torchvision.io.decode_jpeg`` on a list, batched nvJPEG
-on CUDA), then crops, resizes (bilinear, antialiased), flips and rounds each image on the
-device and stacks them: the loader yields uint8 (N, 3, S, S) batches already on the GPU.
+centre crop, and sends the encoded bytes with that plan (`EncodedImage`). A batch travels
+packed (`PlannedBatch`): every JPEG end to end in one tensor, the plans in another, so the trip
+to the main process and the pinning cost a few tensors per batch, not two per sample (each
+tensor a shared-memory segment, a file descriptor over a socket and a pinned buffer of its
+own). The main process decodes the whole batch in one call (``torchvision.io.decode_jpeg``
+on a list, batched nvJPEG on CUDA), then crops, resizes (bilinear, antialiased), flips and
+rounds each image on the device and stacks them: the loader yields uint8 (N, 3, S, S)
+batches already on the GPU.
 
 What nvJPEG cannot take here (PNG, WebP, CMYK/YCCK JPEGs) is decoded on the CPU in the worker
 as before and travels as a finished crop; the batch mixes both. A JPEG that fails on the device
@@ -21,8 +25,9 @@ that is how it is tested on machines without CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import torch
@@ -43,6 +48,7 @@ __all__ = [
     "DecodeDeviceError",
     "DeviceDecoder",
     "EncodedImage",
+    "PlannedBatch",
     "PlannedTransform",
     "collate_planned",
     "decode_device",
@@ -70,15 +76,43 @@ def decode_device() -> torch.device:
 class EncodedImage(NamedTuple):
     """A JPEG to decode on the device and what to do with it there.
 
-    ``plan`` is int64 (7,): ``top, left, height, width`` of the crop, ``flip``, and the size
+    ``plan`` is 7 ints: ``top, left, height, width`` of the crop, ``flip``, and the size
     ``resize_h, resize_w`` the whole image is resized to first (0, 0: crop the full-size image
     and resize the crop to the output size, the train recipe; else resize, then crop the
     output-size window at ``top, left``, the eval recipe).
     """
 
-    data: torch.Tensor
-    plan: torch.Tensor
+    data: bytes
+    plan: tuple[int, ...]
     key: str
+
+
+class PlannedBatch(NamedTuple):
+    """A batch of planned samples as it travels to the main process (`collate_planned`).
+
+    Attributes:
+        data: uint8 (total,), the batch's encoded JPEGs end to end.
+        offsets: int64 (M + 1,): JPEG j is ``data[offsets[j]:offsets[j + 1]]``.
+        plans: int64 (M, 7), each JPEG's `EncodedImage.plan`.
+        keys: each JPEG's sample key, to name one that fails to decode.
+        encoded_at: int64 (M,), each JPEG's place in the batch.
+        finished: uint8 (N - M, 3, S, S), the crops the workers made of what the device does
+            not decode (PNG, CMYK JPEGs...); empty (0,) when there are none.
+        finished_at: int64 (N - M,), their places in the batch.
+    """
+
+    data: torch.Tensor
+    offsets: torch.Tensor
+    plans: torch.Tensor
+    keys: list[str]
+    encoded_at: torch.Tensor
+    finished: torch.Tensor
+    finished_at: torch.Tensor
+
+    @property
+    def samples(self) -> int:
+        """The batch's sample count."""
+        return len(self.encoded_at) + len(self.finished_at)
 
 
 class PlannedTransform:
@@ -100,9 +134,8 @@ class PlannedTransform:
             width, height = check_image_pixels(data, t.max_pixels)
         except FieldDecodeError as exc:
             raise t.named(exc, sample) from None
-        plan = torch.tensor(self._plan(width, height, epoch, index), dtype=torch.int64)
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return EncodedImage(raw, plan, str(sample.get(KEY_FIELD, "?"))), sample_label(sample)
+        plan = tuple(self._plan(width, height, epoch, index))
+        return EncodedImage(data, plan, str(sample.get(KEY_FIELD, "?"))), sample_label(sample)
 
     def _plan(self, width: int, height: int, epoch: int, index: int) -> list[int]:
         t, size = self.transform, self.transform.image_size
@@ -119,10 +152,34 @@ class PlannedTransform:
         return [top, left, size, size, 0, new_h, new_w]
 
 
-def collate_planned(items: list[tuple[Any, int]]) -> tuple[list[Any], torch.Tensor]:
-    """A batch of planned samples: their payloads (`EncodedImage` or a finished uint8 crop)
-    and the labels as int64 (N,)."""
-    return [payload for payload, _ in items], torch.tensor([label for _, label in items])
+def collate_planned(items: Sequence[tuple[Any, int]]) -> tuple[PlannedBatch, torch.Tensor]:
+    """Planned samples (an `EncodedImage` or a finished uint8 crop each, and a label) packed
+    as one `PlannedBatch`, and the labels as int64 (N,)."""
+    encoded = [(i, p) for i, (p, _) in enumerate(items) if isinstance(p, EncodedImage)]
+    finished = [(i, p) for i, (p, _) in enumerate(items) if not isinstance(p, EncodedImage)]
+    sizes = [len(p.data) for _, p in encoded]
+    buffer = bytearray(sum(sizes))
+    view, start = memoryview(buffer), 0
+    for (_, payload), size in zip(encoded, sizes, strict=True):
+        view[start : start + size] = payload.data
+        start += size
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    batch = PlannedBatch(
+        data=torch.frombuffer(buffer, dtype=torch.uint8) if buffer else _empty(torch.uint8),
+        offsets=torch.tensor(offsets, dtype=torch.int64),
+        plans=torch.tensor([p.plan for _, p in encoded], dtype=torch.int64).reshape(-1, 7),
+        keys=[p.key for _, p in encoded],
+        encoded_at=torch.tensor([i for i, _ in encoded], dtype=torch.int64),
+        finished=torch.stack([p for _, p in finished]) if finished else _empty(torch.uint8),
+        finished_at=torch.tensor([i for i, _ in finished], dtype=torch.int64),
+    )
+    return batch, torch.tensor([label for _, label in items])
+
+
+def _empty(dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty((0,), dtype=dtype)
 
 
 class DeviceDecoder:
@@ -157,47 +214,50 @@ class DeviceDecoder:
             done.record(stream)
         return decoded, done
 
-    def __call__(self, batch: tuple[list[Any], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        payloads, labels = batch
+    def __call__(
+        self, batch: tuple[PlannedBatch, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        planned, labels = batch
         out = torch.empty(
-            (len(payloads), 3, self.size, self.size), dtype=torch.uint8, device=self.device
+            (planned.samples, 3, self.size, self.size), dtype=torch.uint8, device=self.device
         )
-        encoded = [(i, p) for i, p in enumerate(payloads) if isinstance(p, EncodedImage)]
-        images = self._decode([p for _, p in encoded])
-        for (i, payload), image in zip(encoded, images, strict=True):
-            out[i] = self._finish(image, payload.plan.tolist())
-        for i, payload in enumerate(payloads):
-            if not isinstance(payload, EncodedImage):
-                out[i] = payload.to(self.device, non_blocking=True)
+        bounds = planned.offsets.tolist()
+        datas = [planned.data[start:end] for start, end in pairwise(bounds)]
+        images = self._decode(datas, planned.keys)
+        places, plans = planned.encoded_at.tolist(), planned.plans.tolist()
+        for place, image, plan in zip(places, images, plans, strict=True):
+            out[place] = self._finish(image, plan)
+        if len(planned.finished_at):
+            finished = planned.finished.to(self.device, non_blocking=True)
+            out[planned.finished_at.to(self.device, non_blocking=True)] = finished
         return out, labels
 
-    def _decode(self, encoded: list[EncodedImage]) -> list[torch.Tensor]:
-        if not encoded:
+    def _decode(self, datas: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
+        if not datas:
             return []
-        datas = [p.data for p in encoded]
         try:
             return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device))
         except RuntimeError:
             pass  # one bad JPEG fails the whole call: decode each to name it
         images = []
-        for payload in encoded:
+        for data, key in zip(datas, keys, strict=True):
             try:
-                images.append(decode_jpeg(payload.data, mode=ImageReadMode.RGB, device=self.device))
+                images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
             except RuntimeError as exc:
                 raise FieldDecodeError(
-                    f"sample {payload.key!r}: the JPEG does not decode on {self.device}: "
+                    f"sample {key!r}: the JPEG does not decode on {self.device}: "
                     f"{stable_message(exc)}"
                 ) from None
         return images
 
     def _finish(self, image: torch.Tensor, plan: list[int]) -> torch.Tensor:
         top, left, height, width, flip, resize_h, resize_w = plan
-        pixels = image.unsqueeze(0).float()
         if resize_h:  # eval: resize the whole image, then the centre window
-            pixels = _resize(pixels, resize_h, resize_w)
+            pixels = _resize(image.unsqueeze(0).float(), resize_h, resize_w)
             pixels = pixels[..., top : top + height, left : left + width]
-        else:  # train: the box of the full image, resized to the output size
-            pixels = _resize(pixels[..., top : top + height, left : left + width], self.size)
+        else:  # train: the box of the full image (cut before the float copy), resized
+            box = image[:, top : top + height, left : left + width].unsqueeze(0).float()
+            pixels = _resize(box, self.size)
         pixels = pixels.flip(-1) if flip else pixels
         return pixels.round_().clamp_(0, 255).to(torch.uint8)[0]
 
