@@ -11,7 +11,8 @@ import dlpipe
 from dlpipe.cli import main
 from dlpipe.loading import jpeg_region, tune, verdicts
 
-QUICK = ["--budget", "2", "--max-workers", "2", "--batch-size", "8", "--image-size", "32"]
+# a budget for every trial of both engines (3 + 2 rungs, 2 prefetch) at the shortest window
+QUICK = ["--budget", "8", "--max-workers", "2", "--batch-size", "8", "--image-size", "32"]
 
 
 @pytest.mark.slow
@@ -49,6 +50,34 @@ def test_the_search_respects_the_ram_budget(make_dataset, monkeypatch) -> None:
     assert all(t.num_workers <= 1 for t in processes)
     threads = [t.num_workers for t in trials if t.engine == "threads"]
     assert threads[:4] == [1, 2, 3, 4]  # threads share one process's memory: none skipped
+
+
+def test_the_search_ends_within_its_budget_on_a_machine_with_many_cores(
+    make_dataset, monkeypatch
+) -> None:
+    """48 cores: a ladder of 14 worker counts per engine. Each trial measures for its share
+    of the time left and pays 0.2 s to start; more workers are always faster here, so only
+    the budget ends the climb."""
+    import time
+
+    windows: list[float] = []
+
+    def fake(config, trial, seconds):
+        windows.append(seconds)
+        time.sleep(seconds + 0.2)
+        trial.samples_per_s = 100.0 * (trial.num_workers + 1)
+        return trial
+
+    monkeypatch.setattr(tune, "usable_cpus", lambda: 48)
+    monkeypatch.setattr(tune, "run_trial", fake)
+    config = tune.BenchConfig(path=make_dataset("lmdb"), budget_s=4.0)
+    start = time.perf_counter()
+    trials = tune.search(config)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 4.0 + 0.7 + 0.5, elapsed  # past the deadline by one trial at most
+    assert all(0.5 <= w <= 10.0 for w in windows)
+    assert trials[0].num_workers == 0 and len(trials) < 14  # the ladder was cut short
+    assert {t.engine for t in trials} == {"processes", "threads"}  # each engine its share
 
 
 def test_the_search_keeps_the_faster_engine_and_tunes_its_prefetch(make_dataset, monkeypatch):

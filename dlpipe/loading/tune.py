@@ -254,7 +254,9 @@ def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
 
     loader = make_loader(config.path, config.split, config=config.loader, workers=trial.settings())
     with warnings.catch_warnings():  # more workers than cores is what a search tries
-        warnings.filterwarnings("ignore", message=".*num_workers.*", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*(num_workers|worker processes).*", category=UserWarning
+        )
         _measure(_batches(loader), trial, seconds)
     _stop_workers(loader)
     return trial
@@ -297,15 +299,50 @@ def _worker_counts(limit: int) -> list[int]:
     return [c for c in counts if c <= limit]
 
 
-def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None) -> list[Trial]:
+class _Budget:
+    """The search's time. Each trial measures for an equal share of the time left over the
+    trials that may still run, half of it (the other half pays for starting the workers and
+    the warm-up), 0.5 to 10 s. Each engine's climb gets the share of the time left that its
+    ladder is of the trials left, so both engines are measured; once a share is spent its
+    climb stops, so a machine with many cores (a long ladder) searches within the budget."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.perf_counter() + seconds
+
+    def window(self, trials_left: int) -> float:
+        left = self.deadline - time.perf_counter()
+        return min(max(left / max(trials_left, 1) / 2, 0.5), 10.0)
+
+    def spent(self) -> bool:
+        return time.perf_counter() >= self.deadline
+
+    def share(self, trials: int, of: int) -> _Budget:
+        """The part of the time left for `trials` of the `of` trials that may still run."""
+        left = max(self.deadline - time.perf_counter(), 0.0)
+        return _Budget(left * trials / max(of, 1))
+
+
+_PREFETCHES = (4, 8)
+
+
+def search(
+    config: BenchConfig,
+    on_trial: Callable[[Trial], None] | None = None,
+    budget: _Budget | None = None,
+) -> list[Trial]:
     """Hill-climb worker processes, then threads (the thread engine), then prefetch for the
-    faster, then pin_memory; returns every trial made."""
+    faster, then pin_memory and GPU decode, within `budget` (default: ``budget_s`` from now);
+    returns every trial made."""
     trials: list[Trial] = []
-    seconds = min(max(config.budget_s / 10, 1.0), 10.0)
+    budget = budget or _Budget(config.budget_s)
     memory = available_memory() * _MEMORY_SHARE
     per_worker = 0.0
+    cores = usable_cpus()
+    counts = _worker_counts(config.worker_limit())
+    gpu = config.device == "cuda" and torch.cuda.is_available()
+    last = len(_PREFETCHES) + 2 * gpu  # the trials after the climbs
 
-    def run(trial: Trial) -> Trial:
+    def run(trial: Trial, seconds: float) -> Trial:
         nonlocal per_worker
         needed = per_worker * trial.num_workers if trial.engine == "processes" else 0.0
         if needed > memory:
@@ -321,34 +358,43 @@ def search(config: BenchConfig, on_trial: Callable[[Trial], None] | None = None)
             on_trial(trial)
         return trial
 
-    cores = usable_cpus()
-    counts = _worker_counts(config.worker_limit())
-    best = _climb(run, [Trial(n, 2 if n else None, False) for n in counts], cores)
+    ladder = [Trial(n, 2 if n else None, False) for n in counts]
     threads = [Trial(n, 2, False, engine="threads") for n in counts if n]
+    share = budget.share(len(ladder), len(ladder) + len(threads) + last)
+    best = _climb(run, ladder, cores, share)
     if threads:  # none with --max-workers 0
-        fastest_thread = _climb(run, threads, cores)
+        share = budget.share(len(threads), len(threads) + last)
+        fastest_thread = _climb(run, threads, cores, share)
         if fastest_thread.samples_per_s > best.samples_per_s:
             best = fastest_thread
     if best.num_workers:
-        for prefetch in (4, 8):
-            trial = run(Trial(best.num_workers, prefetch, False, engine=best.engine))
+        for k, prefetch in enumerate(_PREFETCHES):
+            if budget.spent():
+                break
+            trial = Trial(best.num_workers, prefetch, False, engine=best.engine)
+            run(trial, budget.window(last - k))
             if trial.skipped or trial.samples_per_s <= best.samples_per_s * 1.02:
                 break
             best = trial
-    if config.device == "cuda" and torch.cuda.is_available():
+    if gpu:  # run even when the time is spent: what decides CPU against GPU decode
         settings = (best.num_workers, best.prefetch_factor, True)
-        run(Trial(*settings, engine=best.engine))
-        run(Trial(*settings, engine=best.engine, decode="cuda"))  # the batch decoded on the GPU
+        run(Trial(*settings, engine=best.engine), budget.window(2))
+        run(Trial(*settings, engine=best.engine, decode="cuda"), budget.window(1))
     return trials
 
 
-def _climb(run: Callable[[Trial], Trial], ladder: list[Trial], cores: int) -> Trial:
+def _climb(
+    run: Callable[[Trial, float], Trial], ladder: list[Trial], cores: int, budget: _Budget
+) -> Trial:
     """Run `ladder` (one engine, more workers each step) until, past the core count, two
-    trials in a row are slower than the best, or one is skipped; the best trial."""
+    trials in a row are slower than the best, or one is skipped, or `budget` (this climb's
+    share) is spent; the best trial."""
     best: Trial | None = None
     worse = 0
-    for trial in ladder:
-        run(trial)
+    for rung, trial in enumerate(ladder):
+        if rung and budget.spent():
+            break
+        run(trial, budget.window(len(ladder) - rung))
         if trial.skipped:
             break
         if best is None or trial.samples_per_s > best.samples_per_s:
@@ -369,9 +415,10 @@ def bench_loader(
             f"{config.path} split {config.split!r} has {samples} samples, fewer than one batch "
             f"of {config.loader.batch_size}; lower --batch-size"
         )
+    budget = _Budget(config.budget_s)
     stages = measure_stages(config, seconds=min(max(config.budget_s / 20, 1.0), 5.0))
     report = BenchReport(config=config, stages=stages)
-    report.trials = search(config, on_trial)
+    report.trials = search(config, on_trial, budget)
     measured = [t for t in report.trials if not t.skipped]
     report.best = max(measured, key=lambda t: t.samples_per_s)
     report.bottleneck, report.advice = verdict(
