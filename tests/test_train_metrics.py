@@ -390,3 +390,30 @@ def test_the_input_bound_advice_measures_the_runs_own_loader_config() -> None:
     )
     trainer = LoaderConfig(batch_size=32, image_size=96, min_crop_scale=0.35)
     assert loader_key("train", advised) == loader_key("train", trainer)
+
+
+def test_the_epoch_record_tells_the_first_batch_wait_from_the_rest() -> None:
+    from dlpipe.train.progress import EpochStats, epoch_values
+    from dlpipe.train.step import StepResult
+
+    stats = EpochStats()
+    for wait_s, total_s in ((2.0, 3.0), (0.1, 1.0), (0.2, 1.0)):
+        stats.add(StepResult(1.0, 8, None, False, False), wait_s, total_s)
+    values = epoch_values(stats, lr=0.1)
+    assert values["data_wait"] == pytest.approx(2.3 / 5.0)
+    assert values["first_batch_wait_s"] == 2.0
+    assert values["data_wait_after_first"] == pytest.approx(0.3 / 3.0)
+    assert values["samples_per_s"] == pytest.approx(24 / 5.0)
+    # a checkpoint written before the field existed resumes with it at zero
+    old = {k: v for k, v in vars(stats).items() if k != "first_wait_s"}
+    assert epoch_values(EpochStats(**old), lr=0.1)["data_wait_after_first"] == pytest.approx(0.46)
+
+
+def test_the_epoch_line_says_how_much_of_the_wait_was_the_first_batch() -> None:
+    from dlpipe.train.progress import epoch_line
+
+    record = {"epoch": 2, "train_loss": 1.0, "lr": 0.1, "samples_per_s": 3000.0}
+    start_up = epoch_line({**record, "data_wait": 0.23, "data_wait_after_first": 0.003}, 3, 80)
+    assert start_up.endswith("data wait 23% (0% after the first batch)")
+    steady = epoch_line({**record, "data_wait": 0.231, "data_wait_after_first": 0.228}, 3, 80)
+    assert steady.endswith("data wait 23%")

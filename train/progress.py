@@ -43,8 +43,11 @@ class EpochStats:
     steps: int = 0
     wait_s: float = 0.0
     busy_s: float = 0.0
+    first_wait_s: float = 0.0  # the epoch's first batch: the workers' start-up, once per epoch
 
     def add(self, result: StepResult, wait_s: float, total_s: float) -> None:
+        if self.steps == 0:
+            self.first_wait_s = wait_s
         if math.isfinite(result.loss):
             self.loss_sum += result.loss * result.samples
             self.samples += result.samples
@@ -66,13 +69,18 @@ class RunSummary:
 
 
 def epoch_values(stats: EpochStats, lr: float) -> dict[str, Any]:
-    """The epoch's logged values from its running totals (``data_wait``: share of step time)."""
+    """The epoch's logged values from its running totals (``data_wait``: share of step time;
+    ``data_wait_after_first``: the same without the epoch's first batch, whose wait is the
+    loader's start-up and weighs more the shorter the epoch)."""
     total_s = max(stats.busy_s, 1e-9)
+    after_first_s = max(stats.busy_s - stats.first_wait_s, 1e-9)
     return {
         "train_loss": stats.loss_sum / stats.samples if stats.samples else None,
         "lr": lr,
         "samples_per_s": stats.samples / total_s,
         "data_wait": stats.wait_s / total_s,
+        "data_wait_after_first": (stats.wait_s - stats.first_wait_s) / after_first_s,
+        "first_batch_wait_s": stats.first_wait_s,
         "steps": stats.steps,
         "epoch_s": stats.busy_s,
     }
@@ -94,13 +102,17 @@ def epoch_line(record: dict[str, Any], epochs: int, step: int) -> str:
         f"{record['samples_per_s']:.0f} samples/s",
         f"data wait {100 * record['data_wait']:.0f}%",
     ]
+    after_first = record.get("data_wait_after_first")
+    if after_first is not None and record["data_wait"] - after_first >= 0.01:
+        parts[-1] += f" ({100 * after_first:.0f}% after the first batch)"
     return " | ".join(parts)
 
 
 def input_verdict(
     wait: float, data: str, micro_batch: int, image_size: int, min_crop_scale: float, cuda: bool
 ) -> str | None:
-    """Advice when the steps waited for data more than `INPUT_BOUND_SHARE` of the time: the
+    """Advice when the steps waited for data more than `INPUT_BOUND_SHARE` of the time (`wait`:
+    the epoch's first batch aside, the workers' start-up that no setting removes): the
     ``bench-loader`` command that measures (and keys its profile by) this run's loader config."""
     if wait <= INPUT_BOUND_SHARE:
         return None
@@ -109,7 +121,8 @@ def input_verdict(
         f"--image-size {image_size} --min-crop-scale {min_crop_scale:g}"
     )
     return (
-        f"input-bound: waiting for data {100 * wait:.0f}% of the time: run {command}"
+        f"input-bound: waiting for data {100 * wait:.0f}% of the time after the first batch: "
+        f"run {command}"
         + (" --device cuda" if cuda else "")
         + " (its verdict names the slow stage; dlpipe train then uses the tuned workers)"
     )

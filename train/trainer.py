@@ -290,7 +290,7 @@ class Trainer:
         if result is not None:
             record.update(val_loss=result.loss, top1=result.top1, top5=result.top5)
         self.counters.history.append(record)
-        self._print_epoch(record, values["data_wait"])
+        self._print_epoch(record, values["data_wait_after_first"])
         self.counters.epoch += 1
         self.counters.stats = progress.EpochStats()
         return result is not None and self.early_stop.update(result.loss)
