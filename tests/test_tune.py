@@ -177,3 +177,19 @@ def test_the_stage_table_times_the_loaders_own_crop_aware_decode(make_dataset, m
     assert stages.read >= stages.decode >= stages.transform >= stages.collate > 0
     assert stages.crop_decode
     assert scales and max(scales) >= 2  # 8 px crops of 64-128 px photos decode scaled
+
+
+def test_a_trial_with_more_workers_than_cores_warns_nothing(make_dataset) -> None:
+    """More workers than cores is what a search tries: torch's warning about it (raised when
+    the DataLoader is built and again when it starts its workers) stays out of the report."""
+    import warnings
+
+    config = tune.BenchConfig(
+        path=make_dataset("lmdb"), loader=dlpipe.LoaderConfig(batch_size=4, image_size=16)
+    )
+    trial = tune.Trial((os.cpu_count() or 1) + 1, 2, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tune.run_trial(config, trial, 0.3)
+    assert trial.samples_per_s > 0
+    assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]

@@ -252,11 +252,12 @@ def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
     """Measure one setting: warm up, then windows until the rate is stable."""
     from dlpipe.loading.loader import make_loader
 
-    loader = make_loader(config.path, config.split, config=config.loader, workers=trial.settings())
     with warnings.catch_warnings():  # more workers than cores is what a search tries
         warnings.filterwarnings(
             "ignore", message=".*(num_workers|worker processes).*", category=UserWarning
         )
+        settings = trial.settings()
+        loader = make_loader(config.path, config.split, config=config.loader, workers=settings)
         _measure(_batches(loader), trial, seconds)
     _stop_workers(loader)
     return trial
