@@ -221,12 +221,11 @@ class DeviceDecoder:
         out = torch.empty(
             (planned.samples, 3, self.size, self.size), dtype=torch.uint8, device=self.device
         )
-        bounds = planned.offsets.tolist()
-        datas = [planned.data[start:end] for start, end in pairwise(bounds)]
-        images = self._decode(datas, planned.keys)
-        places, plans = planned.encoded_at.tolist(), planned.plans.tolist()
-        for place, image, plan in zip(places, images, plans, strict=True):
-            out[place] = self._finish(image, plan)
+        if len(planned.encoded_at):
+            bounds = planned.offsets.tolist()
+            datas = [planned.data[start:end] for start, end in pairwise(bounds)]
+            images = self._decode(datas, planned.keys)
+            out[planned.encoded_at.to(self.device)] = self._finish(images, planned.plans)
         if len(planned.finished_at):
             finished = planned.finished.to(self.device, non_blocking=True)
             out[planned.finished_at.to(self.device, non_blocking=True)] = finished
@@ -250,16 +249,23 @@ class DeviceDecoder:
                 ) from None
         return images
 
-    def _finish(self, image: torch.Tensor, plan: list[int]) -> torch.Tensor:
-        top, left, height, width, flip, resize_h, resize_w = plan
-        if resize_h:  # eval: resize the whole image, then the centre window
-            pixels = _resize(image.unsqueeze(0).float(), resize_h, resize_w)
-            pixels = pixels[..., top : top + height, left : left + width]
-        else:  # train: the box of the full image (cut before the float copy), resized
-            box = image[:, top : top + height, left : left + width].unsqueeze(0).float()
-            pixels = _resize(box, self.size)
-        pixels = pixels.flip(-1) if flip else pixels
-        return pixels.round_().clamp_(0, 255).to(torch.uint8)[0]
+    def _finish(self, images: list[torch.Tensor], plans: torch.Tensor) -> torch.Tensor:
+        """Each decoded image cropped and resized as planned (in float, one image at a time:
+        the sizes differ), then the whole batch flipped, rounded and made uint8 at once."""
+        resized = torch.empty(
+            (len(images), 3, self.size, self.size), dtype=torch.float32, device=self.device
+        )
+        for k, (image, plan) in enumerate(zip(images, plans.tolist(), strict=True)):
+            top, left, height, width, _, resize_h, resize_w = plan
+            if resize_h:  # eval: resize the whole image, then the centre window
+                pixels = _resize(image.unsqueeze(0).float(), resize_h, resize_w)
+                resized[k] = pixels[0, :, top : top + height, left : left + width]
+            else:  # train: the box of the full image (cut before the float copy), resized
+                box = image[:, top : top + height, left : left + width].unsqueeze(0).float()
+                resized[k] = _resize(box, self.size)[0]
+        flips = plans[:, 4].to(self.device, non_blocking=True).bool()[:, None, None, None]
+        flipped = torch.where(flips, resized.flip(-1), resized)
+        return flipped.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def _handed_over(decoded: tuple[torch.Tensor, torch.Tensor], done: Any) -> Any:
