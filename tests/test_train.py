@@ -153,6 +153,44 @@ def test_resume_replays_the_same_batches_and_reaches_identical_weights(
     assert records(split, "epoch")[0]["val_loss"] == records(whole, "epoch")[0]["val_loss"]
 
 
+@pytest.mark.parametrize("fmt", ["lmdb", "wds"])
+def test_the_next_epoch_begins_before_the_checkpoint_and_resumes_from_it_exactly(
+    fmt, colours, tmp_path, monkeypatch
+) -> None:
+    """The workers start on epoch 2 while epoch 1 is evaluated and checkpointed: the loader
+    is iterated before the epoch's checkpoint is written, and a run resumed from that
+    checkpoint (its loader state: epoch 2 begun, nothing drawn) ends as the whole run."""
+    from dlpipe.loading.loader import PreparedLoader
+    from dlpipe.train.trainer import Trainer
+
+    events: list[str] = []
+    real_iter, real_save = PreparedLoader.__iter__, Trainer._save
+
+    def spied_iter(self):
+        events.append(f"iter {self._identity['split']}")
+        return real_iter(self)
+
+    def spied_save(self, reason, **kwargs):
+        events.append(f"save {reason}")
+        return real_save(self, reason, **kwargs)
+
+    monkeypatch.setattr(PreparedLoader, "__iter__", spied_iter)
+    monkeypatch.setattr(Trainer, "_save", spied_save)
+    workers = ["--num-workers", "2", "--keep-last", "3"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert train(colours[fmt], whole, "--epochs", "3", *workers) == 0
+    train_iters = [e for e in events if e in ("iter train", "save epoch")]
+    begun_early = ["iter train", "iter train", "save epoch", "iter train", "save epoch"]
+    assert train_iters == [*begun_early, "save epoch"]  # none after the last epoch
+    epoch1 = whole / "checkpoints" / "step-00000006.pt"
+    assert train(colours[fmt], resumed, "--epochs", "3", "--resume", str(epoch1), *workers) == 0
+    assert step_losses(resumed) == step_losses(whole)[6:]
+    a, b = newest(whole), newest(resumed)
+    assert a["step"] == b["step"] == 18
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+
+
 def test_sigterm_checkpoints_exits_zero_and_the_run_resumes_exactly(colours, tmp_path) -> None:
     run = tmp_path / "run"
     command = [sys.executable, "-m", "dlpipe", "train", colours["lmdb"], "--out", str(run)]

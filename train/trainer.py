@@ -66,6 +66,7 @@ class Trainer:
         self._resources = contextlib.ExitStack()
         self.train_loader: Any = None
         self.val_loader: Any = None
+        self._next_pass: Any = None  # the next epoch's batches, begun at the end of this one
         self.logger: RunLogger | None = None
         try:
             self._build(config, console, show_config, warn)
@@ -207,6 +208,10 @@ class Trainer:
                     path = self._save(stopped)
                     self._explain_stop(stopped, path)
                     return self._summary(stopped, path)
+                if self.counters.epoch + 1 < r.epochs:
+                    # the workers start on the next epoch's first batches now, while this one
+                    # is evaluated and checkpointed (its loader state: that pass, none drawn)
+                    self._next_pass = iter(self.train_loader)
                 result = self._evaluate()
                 early = self._end_epoch(result)
                 path = self._save("epoch", best=self._is_best(result))
@@ -224,7 +229,7 @@ class Trainer:
         """Steps until the epoch's data ends; returns why it stopped early, if it did."""
         r = self.config.run
         self.forward_model.train()
-        batches = iter(self.train_loader)
+        batches, self._next_pass = self._next_pass or iter(self.train_loader), None
         while True:
             if r.max_steps is not None and self.counters.step >= r.max_steps:
                 return "max_steps"
