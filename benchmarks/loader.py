@@ -77,7 +77,7 @@ from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 
 from dlpipe.loading.jpeg_region import region_library
-from dlpipe.machine import proportional_set_size, usable_cpus
+from dlpipe.machine import cpu_seconds, proportional_set_size, usable_cpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # sibling script
@@ -133,20 +133,6 @@ def pss_bytes() -> int:
     """Proportional set size of this process and its live children (worker processes)."""
     children = [c.pid for c in multiprocessing.active_children() if c.pid is not None]
     return proportional_set_size([os.getpid(), *children])
-
-
-def cpu_seconds() -> float:
-    """CPU seconds so far of this process (all its threads) and its live child processes
-    (DataLoader workers: they are children while they run)."""
-    total, tick = time.process_time(), os.sysconf("SC_CLK_TCK")
-    for child in multiprocessing.active_children():
-        try:
-            with open(f"/proc/{child.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended between the listing and the read
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
 
 
 def forever(loader: Any) -> Iterator[Any]:

@@ -9,9 +9,11 @@ ask here.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import time
 
-__all__ = ["available_memory", "proportional_set_size", "usable_cpus"]
+__all__ = ["available_memory", "cpu_seconds", "proportional_set_size", "usable_cpus"]
 
 
 def usable_cpus() -> int:
@@ -47,4 +49,19 @@ def proportional_set_size(pids: list[int]) -> int:
                         break
         except (OSError, ValueError):
             continue
+    return total
+
+
+def cpu_seconds() -> float:
+    """CPU seconds so far of this process (all its threads) and of its live child processes
+    (DataLoader workers are children while they run), from /proc; a platform without /proc
+    counts this process alone."""
+    total, tick = time.process_time(), os.sysconf("SC_CLK_TCK")
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended between the listing and the read, or no /proc
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from rich.box import SIMPLE_HEAD
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -134,26 +135,26 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
     ):
         stages.add_row(name, f"{rate:.0f}")
     console.print(stages)
+    gpu = any(t.pin_memory or t.decode != "cpu" for t in report.trials)  # --device cuda
+    columns = ["engine", "workers", "prefetch", *(["pin", "decode"] if gpu else [])]
+    columns += ["samples/s", "CPU/sample", "first batch", "worker RSS"]
     trials = Table(
-        "engine",
-        "workers",
-        "decode",
-        "prefetch",
-        "pin",
-        "samples/s",
-        "worker RSS",
-        title="trials",
+        title="trials", box=SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True
     )
+    for column in columns:  # 76 columns wide without the GPU ones; a skip's reason may wrap
+        trials.add_column(column, no_wrap=column != "samples/s")
     for t in report.trials:
         shown = escape(t.skipped) if t.skipped else f"{t.samples_per_s:.0f}"
         mark = " ←" if t is report.best else ""
+        measured = not t.skipped
         trials.add_row(
             t.engine,
             str(t.num_workers),
-            t.decode,
             str(t.prefetch_factor),
-            str(t.pin_memory),
+            *([str(t.pin_memory), t.decode] if gpu else []),
             shown + mark,
+            f"{t.cpu_us_per_sample:,.0f} us" if measured else "-",
+            f"{t.first_batch_s:.2f} s" if measured else "-",
             "-" if t.engine == "threads" else f"{t.worker_rss_bytes / 1e6:.0f} MB",
         )
     console.print(trials)

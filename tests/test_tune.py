@@ -25,6 +25,8 @@ def test_bench_loader_reports_saves_and_make_loader_uses_it(make_dataset, capsys
     assert stages["read"] >= stages["decode"] >= stages["transform"] >= stages["collate"] > 0
     assert [t["num_workers"] for t in report["trials"]][:3] == [0, 1, 2]
     assert {t["engine"] for t in report["trials"]} == {"processes", "threads"}
+    for trial in report["trials"]:  # the loading process and its workers, per sample
+        assert trial["cpu_us_per_sample"] > 0 and 0 < trial["first_batch_s"] < 60, trial
     assert report["bottleneck"] in {"read", "decode", "transform", "collate"}
     assert report["advice"].split(":")[0].endswith("bound")
     assert report["saved"] == os.path.join(path, "dlpipe-profiles.json")

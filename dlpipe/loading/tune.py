@@ -9,8 +9,10 @@ saves is keyed by exactly that config and found again by the loader that uses it
    loader's own: for the train recipe the box is drawn first and the JPEG decoded at the DCT
    scale the box allows, only the box's region where TurboJPEG 3 is installed
    (`ImageTransform.decode_for_crop`), then cropped (``crop_flip``).
-2. **Search**: each trial builds `make_loader` with one setting and measures samples/s after a
-   warm-up, in windows, until two windows agree within 5 % (or the trial's time is up). The
+2. **Search**: each trial builds `make_loader` with one setting, times its first batch (the
+   workers' start-up, which each epoch pays again) and measures samples/s after a warm-up, in
+   windows, until two windows agree within 5 % (or the trial's time is up), and the CPU per
+   sample over those windows (this process's threads and its workers). The
    workers are hill-climbed (0, 1, 2, 3, 4, 6, 8, ... up to ``max_workers``): always up to the
    core count (one worker is no faster than none, so an early dip means nothing), then
    until two trials in a row are slower; then the thread engine's thread count the same
@@ -44,7 +46,7 @@ from dlpipe.loading.dataset import open_dataset
 from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
 from dlpipe.loading.verdicts import decode_verdict, verdict
-from dlpipe.machine import available_memory, proportional_set_size, usable_cpus
+from dlpipe.machine import available_memory, cpu_seconds, proportional_set_size, usable_cpus
 from dlpipe.manifest import read_manifest
 
 __all__ = [
@@ -129,6 +131,8 @@ class Trial:
     skipped: str | None = None
     engine: str = "processes"
     decode: str = "cpu"
+    first_batch_s: float = 0.0  # from iter() to the first batch: the workers' start-up
+    cpu_us_per_sample: float = 0.0  # this process's threads and its workers, while measured
 
     def settings(self) -> WorkerSettings:
         """The worker settings this trial measures (workers persist when there are any)."""
@@ -264,11 +268,15 @@ def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
 
 
 def _measure(batches: Iterator[Any], trial: Trial, seconds: float) -> None:
-    for _ in range(max(2, trial.num_workers + 1)):
-        next(batches)  # warm-up: worker start, first prefetch
+    start = time.perf_counter()
+    next(batches)
+    trial.first_batch_s = time.perf_counter() - start
+    for _ in range(max(2, trial.num_workers + 1) - 1):
+        next(batches)  # warm-up: every worker started, the first prefetch
     trial.worker_rss_bytes = _worker_rss()
     deadline, window = time.perf_counter() + seconds, max(seconds / 4, 0.3)
     rates: list[float] = []
+    samples, cpu = 0, cpu_seconds()
     while time.perf_counter() < deadline:
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < window:
@@ -277,8 +285,10 @@ def _measure(batches: Iterator[Any], trial: Trial, seconds: float) -> None:
         if isinstance(images, torch.Tensor) and images.is_cuda:
             torch.cuda.synchronize()  # a GPU-decoded batch is done when its kernels are
         rates.append(count / (time.perf_counter() - start))
+        samples += count
         if len(rates) >= 2 and abs(rates[-1] - rates[-2]) <= 0.05 * max(rates[-2], 1e-9):
             break
+    trial.cpu_us_per_sample = (cpu_seconds() - cpu) / max(samples, 1) * 1e6
     trial.samples_per_s = rates[-1] if len(rates) < 2 else (rates[-1] + rates[-2]) / 2
     trial.worker_rss_bytes = max(trial.worker_rss_bytes, _worker_rss())
 
