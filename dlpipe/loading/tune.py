@@ -19,6 +19,7 @@ saves is keyed by exactly that config and found again by the loader that uses it
    way (1, 2, 3, ...: `dlpipe.loading.threads`); then ``prefetch_factor`` for the faster of
    the two, then ``pin_memory`` and GPU decode (``decode="cuda"``: the batch decoded and
    cropped on the GPU) when a GPU is the target: a handful of trials, not the grid.
+   All within ``budget_s`` (`_Budget`): each climb ends early when its share is spent.
    The winner's engine is saved with it, so ``make_loader`` runs what was measured fastest.
 3. **RAM budget**: worker memory (RSS, measured) is scaled to the next worker count; a trial
    that would not fit in 80 % of the available memory is skipped and says so (threads share
