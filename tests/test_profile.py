@@ -210,3 +210,20 @@ def test_profile_from_json_checks_each_value(change, rule) -> None:
     with pytest.raises(ProfileError, match=rule):
         LoaderProfile.from_json(_profile().to_json() | change)
     assert LoaderProfile.from_json(_profile().to_json()) == _profile()
+
+
+def test_a_measured_worker_count_past_the_cores_is_not_warned_about(make_dataset) -> None:
+    """bench-loader tries up to 2x the cores and may find more workers than cores fastest:
+    the loader using that profile keeps quiet; a count the caller chose gets torch's warning."""
+    import warnings
+
+    path = make_dataset("lmdb")
+    many = (os.cpu_count() or 1) + 1
+    save_profile(path, _profile(many))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = dlpipe.make_loader(path, batch_size=4, image_size=24)
+        assert loader.num_workers == many and sum(len(b[1]) for b in loader) > 0
+    assert not [w for w in caught if "worker" in str(w.message)]
+    with pytest.warns(UserWarning, match="worker"):
+        dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=many)

@@ -122,7 +122,14 @@ class PreparedLoader(torch.utils.data.DataLoader):
     ``len(loader)`` is the exact number of batches this rank yields in a whole epoch.
     """
 
-    def __init__(self, dataset: Any, stages: Stages | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        stages: Stages | None = None,
+        measured_workers: bool = False,
+        **options: Any,
+    ) -> None:
+        self._measured_workers = measured_workers
         self._stream = isinstance(dataset, StreamView)
         self._stages = stages or Stages()
         if self._stream:  # the workers batch; what they leave over is merged here
@@ -146,6 +153,12 @@ class PreparedLoader(torch.utils.data.DataLoader):
             return super().__len__()
         samples, size = len(self.order), self._batch_size
         return samples // size if self._drop_last else -(-samples // size)
+
+    def check_worker_number_rationality(self) -> None:
+        """torch's warning about more workers than cores, unless a saved profile's worker
+        count is used: ``bench-loader`` measured that count fastest on this machine."""
+        if not self._measured_workers:
+            super().check_worker_number_rationality()
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
@@ -293,22 +306,25 @@ def _worker_settings(
     profile: str | LoaderProfile | None,
     where: tuple[str | os.PathLike[str], str, LoaderConfig],
     **fields: Any,
-) -> WorkerSettings:
+) -> tuple[WorkerSettings, bool]:
     """The settings `workers` names (``"auto"``: the saved profile, else the defaults), with
-    each keyword given set."""
+    each keyword given set; and whether the worker count is a profile's (measured)."""
+    measured = False
     if isinstance(workers, WorkerSettings):
         base = workers
     elif workers == "auto":
         path, split, config = where
         chosen = select_profile(profile, path, split=split, config=config)
         base = default_workers() if chosen is None else chosen.settings
+        measured = chosen is not None and fields.get("num_workers") is None
     elif workers is None:
         base = default_workers()
     else:
         raise LoaderConfigError(
             f"workers={workers!r} is not 'auto', a WorkerSettings or None; pass one of those"
         )
-    return base.replace(**{name: value for name, value in fields.items() if value is not None})
+    changes = {name: value for name, value in fields.items() if value is not None}
+    return base.replace(**changes), measured
 
 
 def make_loader(
@@ -372,7 +388,7 @@ def make_loader(
     fields = {"image_size": image_size, "min_crop_scale": min_crop_scale, "seed": seed}
     fields |= {"batch_size": batch_size, "shuffle": shuffle, "drop_last": drop_last}
     config = _loader_config(config, split, transform, **fields)
-    settings = _worker_settings(
+    settings, measured = _worker_settings(
         workers,
         profile,
         (path, split, config),
@@ -399,7 +415,8 @@ def make_loader(
     placement |= {"shuffle": shuffle, "seed": seed}
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(len(dataset), drop_last=drop_last, block=batch_size, **placement)
-        return PreparedLoader(MapView(dataset, fn), stages, sampler=sampler, **options)
+        mapped = MapView(dataset, fn)
+        return PreparedLoader(mapped, stages, measured, sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
     view = StreamView.build(
         dataset,
@@ -409,4 +426,4 @@ def make_loader(
         collate_fn=stages.dataloader_collate,
         **placement,
     )
-    return PreparedLoader(view, stages, **options)
+    return PreparedLoader(view, stages, measured, **options)
