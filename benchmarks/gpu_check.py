@@ -14,14 +14,15 @@ the others:
 4. **decode**: the corpus's JPEGs (photo-like, ~100 KB, ~400 x 350 px) decoded in batches of
    256 by ``torchvision.io.decode_jpeg(device="cuda")`` (nvJPEG), images/s, against
    simplejpeg on one CPU core; and dlpipe's device decoder (decode + crop + resize + flip).
-5. **train**: ``dlpipe train`` ResNet-50, 224 px, batch 256, bf16, three epochs of the corpus
-   converted to lmdb, with the CPU loader (``--decode cpu``) and with GPU decode
-   (``--decode cuda``): samples/s and data wait of the last epoch (from ``metrics.jsonl``),
-   over the whole epoch and without its first batch (the workers' start-up, which a 40-step
-   epoch weighs 125 times more than an ImageNet epoch of 5,005 steps). The goal is data wait
-   < 5 %.
-6. **bench_loader**: ``dlpipe bench-loader --device cuda`` on the same data: the settings and
-   the decode (CPU or GPU) it picks by measurement, and its verdict.
+5. **bench_loader**: the corpus converted to lmdb, then ``dlpipe bench-loader --device cuda``
+   on it, as a user runs it before training: the settings and the decode (CPU or GPU) it
+   picks by measurement, its verdict, and the profile it saves beside the data.
+6. **train**: ``dlpipe train`` ResNet-50, 224 px, batch 256, bf16, three epochs of that data
+   with the workers the profile holds, with the CPU loader (``--decode cpu``) and with GPU
+   decode (``--decode cuda``): samples/s and data wait of the last epoch (from
+   ``metrics.jsonl``), over the whole epoch and without its first batch (the workers'
+   start-up, which a 40-step epoch weighs 125 times more than an ImageNet epoch of 5,005
+   steps). The goal is data wait < 5 %.
 
 Without CUDA every check records ``skipped`` (the script itself still runs: CI can import
 it). ``--images`` sets the corpus size (default 10,240: 40 steps of 256 per epoch).
@@ -194,11 +195,19 @@ def _train(data: str, decode: str, work: str) -> dict[str, Any]:
     }
 
 
-def check_train(root: str, work: str) -> dict[str, Any]:
+def _converted(root: str, work: str) -> tuple[str, float | None]:
+    """The corpus as lmdb in `work` (converted once), and the seconds that took (None: there
+    already)."""
     data = os.path.join(work, "corpus-lmdb")
-    convert_s = convert_corpus(root, "lmdb", data)
+    if os.path.exists(os.path.join(data, "dlpipe.json")):
+        return data, None
+    return data, convert_corpus(root, "lmdb", data)
+
+
+def check_train(root: str, work: str) -> dict[str, Any]:
+    data, convert_s = _converted(root, work)
     out: dict[str, Any] = {"convert_s": convert_s}
-    for decode in ("cpu", "cuda"):
+    for decode in ("cpu", "cuda"):  # the workers bench-loader saved, if it ran
         try:
             out[decode] = _train(data, decode, work)
         except Exception as exc:  # the other decode still runs
@@ -206,15 +215,19 @@ def check_train(root: str, work: str) -> dict[str, Any]:
     return out
 
 
-def check_bench_loader(work: str) -> dict[str, Any]:
-    data = os.path.join(work, "corpus-lmdb")
+def check_bench_loader(root: str, work: str) -> dict[str, Any]:
+    """``bench-loader --device cuda`` as a user runs it before training: the profile it saves
+    beside the data is what the train check's runs use."""
+    data, convert_s = _converted(root, work)
     cmd = [dlpipe_executable(), "bench-loader", data, "--device", "cuda", "--batch-size", "256"]
-    cmd += ["--image-size", "224", "--budget", "60", "--json", "--no-save"]
+    cmd += ["--image-size", "224", "--budget", "60", "--json"]
+    start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         raise RuntimeError(f"dlpipe bench-loader failed:\n{proc.stderr[-2000:]}")
     report = json.loads(proc.stdout)
-    return {k: report[k] for k in ("best", "bottleneck", "advice", "stages", "trials")}
+    out = {k: report[k] for k in ("best", "bottleneck", "advice", "saved", "stages", "trials")}
+    return {"convert_s": convert_s, "wall_s": time.perf_counter() - start, **out}
 
 
 def _run(name: str, check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -302,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         checks["copies"] = _run("copies", check_copies)
         checks["nccl"] = _run("nccl", check_nccl)
         checks["decode"] = _run("decode", lambda: check_decode(corpus_files(root)))
+        checks["bench_loader"] = _run("bench_loader", lambda: check_bench_loader(root, work))
         checks["train"] = _run("train", lambda: check_train(root, work))
-        checks["bench_loader"] = _run("bench_loader", lambda: check_bench_loader(work))
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     result = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -225,5 +225,14 @@ def test_a_measured_worker_count_past_the_cores_is_not_warned_about(make_dataset
         loader = dlpipe.make_loader(path, batch_size=4, image_size=24)
         assert loader.num_workers == many and sum(len(b[1]) for b in loader) > 0
     assert not [w for w in caught if "worker" in str(w.message)]
+    assert loader.settings_line() == (
+        f"engine=processes num_workers={many} decode=cpu prefetch_factor=5 pin_memory=False "
+        "(profile)"
+    )
     with pytest.warns(UserWarning, match="worker"):
-        dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=many)
+        given = dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=many)
+    assert given.settings_line().endswith("(given)")
+    defaults = dlpipe.make_loader(path, batch_size=4, image_size=24, profile=None)
+    assert defaults.settings_line().endswith("prefetch_factor=2 pin_memory=False (defaults)")
+    threads = dlpipe.make_loader(path, batch_size=4, image_size=24, engine="threads")
+    assert threads.settings_line().startswith(f"engine=threads num_workers={many} decode=cpu")

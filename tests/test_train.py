@@ -155,7 +155,7 @@ def test_resume_replays_the_same_batches_and_reaches_identical_weights(
 
 @pytest.mark.parametrize("fmt", ["lmdb", "wds"])
 def test_the_next_epoch_begins_before_the_checkpoint_and_resumes_from_it_exactly(
-    fmt, colours, tmp_path, monkeypatch
+    fmt, colours, tmp_path, monkeypatch, capsys
 ) -> None:
     """The workers start on epoch 2 while epoch 1 is evaluated and checkpointed: the loader
     is iterated before the epoch's checkpoint is written, and a run resumed from that
@@ -179,6 +179,7 @@ def test_the_next_epoch_begins_before_the_checkpoint_and_resumes_from_it_exactly
     workers = ["--num-workers", "2", "--keep-last", "3"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert train(colours[fmt], whole, "--epochs", "3", *workers) == 0
+    assert "train loader engine=processes num_workers=2 decode=cpu" in capsys.readouterr().out
     train_iters = [e for e in events if e in ("iter train", "save epoch")]
     begun_early = ["iter train", "iter train", "save epoch", "iter train", "save epoch"]
     assert train_iters == [*begun_early, "save epoch"]  # none after the last epoch

@@ -377,6 +377,7 @@ class Trainer:
             f"{self.precision.name}; data {escape(d.path)} ({self.manifest.format}); run folder "
             f"{escape(self.run_dir)}"
         )
+        self.console.print(f"train loader {escape(self.train_loader.settings_line())}")
 
     def _summary(self, stopped: str, path: str | None) -> RunSummary:
         return progress.run_summary(self.run_dir, self.counters, stopped, path)

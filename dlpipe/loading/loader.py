@@ -126,10 +126,10 @@ class PreparedLoader(torch.utils.data.DataLoader):
         self,
         dataset: Any,
         stages: Stages | None = None,
-        measured_workers: bool = False,
+        origin: str = "given",
         **options: Any,
     ) -> None:
-        self._measured_workers = measured_workers
+        self.origin = origin  # where the worker settings came from: `_worker_settings`
         self._stream = isinstance(dataset, StreamView)
         self._stages = stages or Stages()
         if self._stream:  # the workers batch; what they leave over is merged here
@@ -157,8 +157,22 @@ class PreparedLoader(torch.utils.data.DataLoader):
     def check_worker_number_rationality(self) -> None:
         """torch's warning about more workers than cores, unless a saved profile's worker
         count is used: ``bench-loader`` measured that count fastest on this machine."""
-        if not self._measured_workers:
+        if self.origin != "profile":
             super().check_worker_number_rationality()
+
+    def settings_line(self) -> str:
+        """``engine=processes num_workers=12 decode=cpu prefetch_factor=2 pin_memory=True
+        (profile)``: what this loader runs, and where that came from (``profile``: the one
+        ``bench-loader`` saved; ``defaults``: none saved for this config; ``given``)."""
+        threads = self._stages.threads
+        engine, count = ("threads", threads.threads) if threads else ("processes", self.num_workers)
+        decode = "cuda" if self._stages.device is not None else "cpu"
+        prefetch = threads.depth if threads else self.prefetch_factor
+        pin = threads.pin if threads else self.pin_memory
+        return (
+            f"engine={engine} num_workers={count} decode={decode} prefetch_factor={prefetch} "
+            f"pin_memory={pin} ({self.origin})"
+        )
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
@@ -306,25 +320,28 @@ def _worker_settings(
     profile: str | LoaderProfile | None,
     where: tuple[str | os.PathLike[str], str, LoaderConfig],
     **fields: Any,
-) -> tuple[WorkerSettings, bool]:
+) -> tuple[WorkerSettings, str]:
     """The settings `workers` names (``"auto"``: the saved profile, else the defaults), with
-    each keyword given set; and whether the worker count is a profile's (measured)."""
-    measured = False
+    each keyword given set; and where they came from: ``"profile"`` (a saved profile's worker
+    count), ``"defaults"`` or ``"given"`` (a `WorkerSettings`, or ``num_workers`` passed)."""
+    origin = "given"
     if isinstance(workers, WorkerSettings):
         base = workers
     elif workers == "auto":
         path, split, config = where
         chosen = select_profile(profile, path, split=split, config=config)
         base = default_workers() if chosen is None else chosen.settings
-        measured = chosen is not None and fields.get("num_workers") is None
+        origin = "defaults" if chosen is None else "profile"
     elif workers is None:
-        base = default_workers()
+        base, origin = default_workers(), "defaults"
     else:
         raise LoaderConfigError(
             f"workers={workers!r} is not 'auto', a WorkerSettings or None; pass one of those"
         )
     changes = {name: value for name, value in fields.items() if value is not None}
-    return base.replace(**changes), measured
+    if "num_workers" in changes:
+        origin = "given"
+    return base.replace(**changes), origin
 
 
 def make_loader(
@@ -388,7 +405,7 @@ def make_loader(
     fields = {"image_size": image_size, "min_crop_scale": min_crop_scale, "seed": seed}
     fields |= {"batch_size": batch_size, "shuffle": shuffle, "drop_last": drop_last}
     config = _loader_config(config, split, transform, **fields)
-    settings, measured = _worker_settings(
+    settings, origin = _worker_settings(
         workers,
         profile,
         (path, split, config),
@@ -416,7 +433,7 @@ def make_loader(
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(len(dataset), drop_last=drop_last, block=batch_size, **placement)
         mapped = MapView(dataset, fn)
-        return PreparedLoader(mapped, stages, measured, sampler=sampler, **options)
+        return PreparedLoader(mapped, stages, origin, sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
     view = StreamView.build(
         dataset,
@@ -426,4 +443,4 @@ def make_loader(
         collate_fn=stages.dataloader_collate,
         **placement,
     )
-    return PreparedLoader(view, stages, measured, **options)
+    return PreparedLoader(view, stages, origin, **options)
