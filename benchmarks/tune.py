@@ -6,10 +6,11 @@ On the photo-like JPEG corpus from ``benchmarks/corpus.py`` (default 800 images,
 
 1. the tuner: ``dlpipe.loading.tune.bench_loader(BenchConfig(path=path,
    loader=LoaderConfig(batch_size=64, image_size=224), budget_s=B))`` (stage measurement +
-   hill-climb of workers, then prefetch), and
+   hill-climb of worker processes, then threads, then prefetch, all within B seconds), and
 2. the exhaustive grid: ``dlpipe.loading.tune.run_trial`` for every ``num_workers`` in 0..4 x
-   ``prefetch_factor`` in {2, 4, 8} (prefetch only when workers > 0: 13 trials), each with
-   the same per-trial seconds the tuner uses (``min(max(B / 10, 1), 10)``),
+   ``prefetch_factor`` in {2, 4, 8} (prefetch only when workers > 0) on worker processes,
+   and every thread count in 1..4 x the same prefetch on the thread engine (25 trials),
+   each measured for `GRID_TRIAL_S` seconds,
 
 and reports the tuner's choice and rate, the grid's best and rate, their ratio (also with the
 tuner's choice as the grid measured it, so both sides of the ratio come from the same pass),
@@ -54,14 +55,13 @@ GOAL_RATE = 0.95
 GOAL_TIME = 0.25
 
 
-def trial_seconds(budget_s: float) -> float:
-    """The per-trial seconds `dlpipe.loading.tune.search` uses for this budget."""
-    return min(max(budget_s / 10, 1.0), 10.0)
+GRID_TRIAL_S = 2.0  # each grid trial's measuring time (the tuner's share its budget)
+SETTINGS = ("engine", "num_workers", "prefetch_factor", "pin_memory")
 
 
-def settings(trial: Trial | dict[str, Any]) -> tuple[int, int | None]:
+def settings(trial: Trial | dict[str, Any]) -> tuple[str, int, int | None]:
     d = trial if isinstance(trial, dict) else trial.__dict__
-    return d["num_workers"], d["prefetch_factor"]
+    return d["engine"], d["num_workers"], d["prefetch_factor"]
 
 
 def run_tuner(config: BenchConfig) -> dict[str, Any]:
@@ -80,16 +80,17 @@ def run_tuner(config: BenchConfig) -> dict[str, Any]:
 def run_grid(config: BenchConfig, seconds: float) -> dict[str, Any]:
     start = time.perf_counter()
     trials = []
-    for workers in GRID_WORKERS:
-        for prefetch in GRID_PREFETCH if workers else (None,):
-            t0 = time.perf_counter()
-            trial = run_trial(config, Trial(workers, prefetch, False), seconds)
-            row = {**trial.__dict__, "trial_s": time.perf_counter() - t0}
-            trials.append(row)
-            log(
-                f"  grid workers={workers} prefetch={prefetch}: "
-                f"{trial.samples_per_s:.0f} samples/s ({row['trial_s']:.1f} s)"
-            )
+    grid = [("processes", w, p) for w in GRID_WORKERS for p in (GRID_PREFETCH if w else (None,))]
+    grid += [("threads", w, p) for w in GRID_WORKERS if w for p in GRID_PREFETCH]
+    for engine, workers, prefetch in grid:
+        t0 = time.perf_counter()
+        trial = run_trial(config, Trial(workers, prefetch, False, engine=engine), seconds)
+        row = {**trial.__dict__, "trial_s": time.perf_counter() - t0}
+        trials.append(row)
+        log(
+            f"  grid {engine} workers={workers} prefetch={prefetch}: "
+            f"{trial.samples_per_s:.0f} samples/s ({row['trial_s']:.1f} s)"
+        )
     best = max(trials, key=lambda t: t["samples_per_s"])
     return {"seconds": time.perf_counter() - start, "trials": trials, "best": best}
 
@@ -102,11 +103,11 @@ def summarise(tuner: dict[str, Any], grid: dict[str, Any]) -> dict[str, Any]:
     same_pass_ratio = same["samples_per_s"] / best["samples_per_s"]
     time_ratio = tuner["seconds"] / grid["seconds"]
     return {
-        "tuner_choice": {k: chosen[k] for k in ("num_workers", "prefetch_factor", "pin_memory")},
+        "tuner_choice": {k: chosen[k] for k in SETTINGS},
         "tuner_rate": chosen["samples_per_s"],
         "tuner_s": tuner["seconds"],
         "tuner_trials": len(tuner["report"]["trials"]),
-        "grid_best": {k: best[k] for k in ("num_workers", "prefetch_factor", "pin_memory")},
+        "grid_best": {k: best[k] for k in SETTINGS},
         "grid_rate": best["samples_per_s"],
         "grid_s": grid["seconds"],
         "grid_trials": len(grid["trials"]),
@@ -123,7 +124,7 @@ def summarise(tuner: dict[str, Any], grid: dict[str, Any]) -> dict[str, Any]:
 
 
 def fmt_settings(d: dict[str, Any]) -> str:
-    return f"workers={d['num_workers']}, prefetch={d['prefetch_factor']}"
+    return f"{d['engine']}={d['num_workers']}, prefetch={d['prefetch_factor']}"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -142,8 +143,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{c['total_bytes'] / 1e6:.1f} MB, mean {c['mean_bytes'] / 1e3:.1f} KB"
         f"{' (reduced from the usual 1,500 to keep the run short)' if c['images'] < 1500 else ''}"
         f", converted to {cfg['format']} in {result['convert_s']:.1f} s. Batch 64, 224 px "
-        f"train transform. Tuner budget {cfg['budget_s']:g} s, so "
-        f"{cfg['trial_s']:g} s per trial (the grid uses the same). One run of each.",
+        f"train transform. Tuner budget {cfg['budget_s']:g} s (its trials share it); each "
+        f"grid trial measures for {cfg['trial_s']:g} s. One run of each.",
         "",
         "| | settings | samples/s | trials | seconds |",
         "|---|---|---:|---:|---:|",
@@ -163,13 +164,16 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Tuner trials",
         "",
-        "| workers | prefetch | samples/s | worker PSS MB | skipped |",
-        "|---:|---:|---:|---:|---|",
+        "| engine | workers | prefetch | samples/s | CPU µs/sample | first batch s "
+        "| worker PSS MB | skipped |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for t in tuner["report"]["trials"]:
         lines.append(
-            f"| {t['num_workers']} | {t['prefetch_factor']} | {t['samples_per_s']:,.0f} "
-            f"| {t['worker_rss_bytes'] / 1e6:.0f} | {t['skipped'] or ''} |"
+            f"| {t['engine']} | {t['num_workers']} | {t['prefetch_factor']} "
+            f"| {t['samples_per_s']:,.0f} | {t['cpu_us_per_sample']:,.0f} "
+            f"| {t['first_batch_s']:.2f} | {t['worker_rss_bytes'] / 1e6:.0f} "
+            f"| {t['skipped'] or ''} |"
         )
     st = tuner["report"]["stages"]
     lines += [
@@ -179,13 +183,13 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Grid trials",
         "",
-        "| workers | prefetch | samples/s | trial s |",
-        "|---:|---:|---:|---:|",
+        "| engine | workers | prefetch | samples/s | CPU µs/sample | trial s |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for t in grid["trials"]:
         lines.append(
-            f"| {t['num_workers']} | {t['prefetch_factor']} | {t['samples_per_s']:,.0f} "
-            f"| {t['trial_s']:.1f} |"
+            f"| {t['engine']} | {t['num_workers']} | {t['prefetch_factor']} "
+            f"| {t['samples_per_s']:,.0f} | {t['cpu_us_per_sample']:,.0f} | {t['trial_s']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         convert_s = convert_corpus(root, args.format, path)
         loader = LoaderConfig(batch_size=64, image_size=224)
         config = BenchConfig(path=path, loader=loader, budget_s=args.budget)
-        seconds = trial_seconds(args.budget)
+        seconds = GRID_TRIAL_S
         tuner = run_tuner(config)
         grid = run_grid(config, seconds)
     finally:
