@@ -270,14 +270,24 @@ SUMMARY = [  # (what, path in checks, format)
         "{:,.0f}",
     ),
     ("simplejpeg, one CPU core: images/s", "decode.simplejpeg_images_per_s_one_core", "{:,.0f}"),
-    ("`dlpipe train` ResNet-50 b256, CPU decode: samples/s", "train.cpu.samples_per_s", "{:,.0f}"),
-    ("... data wait, whole last epoch", "train.cpu.data_wait", "{:.1%}"),
-    ("... data wait after the epoch's first batch", "train.cpu.data_wait_after_first", "{:.1%}"),
-    ("... first batch wait: s", "train.cpu.first_batch_wait_s", "{:.2f}"),
-    ("`dlpipe train` ResNet-50 b256, GPU decode: samples/s", "train.cuda.samples_per_s", "{:,.0f}"),
-    ("... data wait, whole last epoch", "train.cuda.data_wait", "{:.1%}"),
-    ("... data wait after the epoch's first batch", "train.cuda.data_wait_after_first", "{:.1%}"),
-    ("... first batch wait: s", "train.cuda.first_batch_wait_s", "{:.2f}"),
+    *[
+        row
+        for decode, name in (("cpu", "CPU"), ("cuda", "GPU"))
+        for row in (
+            (
+                f"`dlpipe train` ResNet-50 b256, {name} decode: samples/s",
+                f"train.{decode}.samples_per_s",
+                "{:,.0f}",
+            ),
+            ("... data wait, whole last epoch", f"train.{decode}.data_wait", "{:.1%}"),
+            (
+                "... data wait after the epoch's first batch",
+                f"train.{decode}.data_wait_after_first",
+                "{:.1%}",
+            ),
+            ("... first batch wait: s", f"train.{decode}.first_batch_wait_s", "{:.2f}"),
+        )
+    ],
     ("`bench-loader --device cuda` picks: decode", "bench_loader.best.decode", "{}"),
     ("... engine", "bench_loader.best.engine", "{}"),
     ("... workers", "bench_loader.best.num_workers", "{}"),
