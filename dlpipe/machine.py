@@ -56,7 +56,10 @@ def cpu_seconds() -> float:
     """CPU seconds so far of this process (all its threads) and of its live child processes
     (DataLoader workers are children while they run), from /proc; a platform without /proc
     counts this process alone."""
-    total, tick = time.process_time(), os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    if not os.path.isdir("/proc/self"):  # macOS, Windows: no per-process CPU times to read
+        return total
+    tick = os.sysconf("SC_CLK_TCK")
     for child in multiprocessing.active_children():
         try:
             with open(f"/proc/{child.pid}/stat") as f:

@@ -195,3 +195,36 @@ def test_a_trial_with_more_workers_than_cores_warns_nothing(make_dataset) -> Non
         tune.run_trial(config, trial, 0.3)
     assert trial.samples_per_s > 0
     assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_cpu_seconds_counts_a_busy_child_process() -> None:
+    """bench-loader's CPU per sample counts the workers: a child that has spun for 0.3 s of
+    CPU shows in `cpu_seconds` while it is alive, though this process only waited."""
+    import multiprocessing
+
+    from dlpipe.machine import cpu_seconds
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc: children are not counted here")
+    context = multiprocessing.get_context("fork")
+    spun, leave = context.Event(), context.Event()
+    child = context.Process(target=_spin, args=(0.3, spun, leave))
+    before = cpu_seconds()
+    child.start()
+    try:
+        assert spun.wait(60)
+        during = cpu_seconds() - before
+    finally:
+        leave.set()
+        child.join(60)
+    assert during >= 0.25, during
+
+
+def _spin(seconds: float, spun, leave) -> None:
+    import time
+
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    spun.set()
+    leave.wait(60)  # alive until measured: a child is counted while it runs
