@@ -160,11 +160,7 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
     console.print(trials)
     best = report.best
     assert best is not None
-    console.print(
-        f"chosen: engine={best.engine} num_workers={best.num_workers} decode={best.decode} "
-        f"prefetch_factor={best.prefetch_factor} "
-        f"pin_memory={best.pin_memory} ({best.samples_per_s:.0f} samples/s)"
-    )
+    console.print(f"chosen: {best.settings().line()} ({best.samples_per_s:.0f} samples/s)")
     console.print(f"verdict: {escape(report.advice)}")
     if saved:
         console.print(

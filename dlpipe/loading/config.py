@@ -172,6 +172,14 @@ class WorkerSettings:
         """The thread engine's thread count (0: the processes engine)."""
         return self.num_workers if self.engine == "threads" else 0
 
+    def line(self) -> str:
+        """``engine=processes num_workers=12 decode=cpu prefetch_factor=2 pin_memory=True``:
+        how the loader, ``bench-loader`` and ``dlpipe train`` name these settings."""
+        return (
+            f"engine={self.engine} num_workers={self.num_workers} decode={self.decode} "
+            f"prefetch_factor={self.prefetch_factor} pin_memory={self.pin_memory}"
+        )
+
     def replace(self, **changes: Any) -> WorkerSettings:
         """A copy with the fields in `changes` set (checked again)."""
         return dataclasses.replace(self, **changes)

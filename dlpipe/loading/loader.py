@@ -125,13 +125,15 @@ class PreparedLoader(torch.utils.data.DataLoader):
     def __init__(
         self,
         dataset: Any,
-        stages: Stages | None = None,
-        origin: str = "given",
+        stages: Stages,
+        settings: WorkerSettings,
+        origin: str,
         **options: Any,
     ) -> None:
-        self.origin = origin  # where the worker settings came from: `_worker_settings`
+        self.settings = settings  # what `options` were made from (`settings_line`)
+        self.origin = origin  # where the settings came from: `_worker_settings`
         self._stream = isinstance(dataset, StreamView)
-        self._stages = stages or Stages()
+        self._stages = stages
         if self._stream:  # the workers batch; what they leave over is merged here
             self._batch_size, self._drop_last = options.pop("batch_size"), options.pop("drop_last")
             options.pop("collate_fn", None)
@@ -164,15 +166,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
         """``engine=processes num_workers=12 decode=cpu prefetch_factor=2 pin_memory=True
         (profile)``: what this loader runs, and where that came from (``profile``: the one
         ``bench-loader`` saved; ``defaults``: none saved for this config; ``given``)."""
-        threads = self._stages.threads
-        engine, count = ("threads", threads.threads) if threads else ("processes", self.num_workers)
-        decode = "cuda" if self._stages.device is not None else "cpu"
-        prefetch = threads.depth if threads else self.prefetch_factor
-        pin = threads.pin if threads else self.pin_memory
-        return (
-            f"engine={engine} num_workers={count} decode={decode} prefetch_factor={prefetch} "
-            f"pin_memory={pin} ({self.origin})"
-        )
+        return f"{self.settings.line()} ({self.origin})"
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:
@@ -433,7 +427,7 @@ def make_loader(
     if isinstance(dataset, MapDataset):
         sampler = EpochSampler(len(dataset), drop_last=drop_last, block=batch_size, **placement)
         mapped = MapView(dataset, fn)
-        return PreparedLoader(mapped, stages, origin, sampler=sampler, **options)
+        return PreparedLoader(mapped, stages, settings, origin, sampler=sampler, **options)
     assert isinstance(dataset, StreamDataset)
     view = StreamView.build(
         dataset,
@@ -443,4 +437,4 @@ def make_loader(
         collate_fn=stages.dataloader_collate,
         **placement,
     )
-    return PreparedLoader(view, stages, origin, **options)
+    return PreparedLoader(view, stages, settings, origin, **options)

@@ -288,14 +288,9 @@ def select_profile(
         return None
     chosen, source = found
     log.info(
-        "using loader profile from %s: engine=%s num_workers=%d decode=%s prefetch_factor=%s "
-        "pin_memory=%s (measured %.0f samples/s)",
+        "using loader profile from %s: %s (measured %.0f samples/s)",
         source,
-        chosen.settings.engine,
-        chosen.settings.num_workers,
-        chosen.settings.decode,
-        chosen.settings.prefetch_factor,
-        chosen.settings.pin_memory,
+        chosen.settings.line(),
         chosen.samples_per_s,
     )
     return chosen
