@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import Any, NamedTuple
 
 import torch
@@ -157,15 +157,11 @@ def collate_planned(items: Sequence[tuple[Any, int]]) -> tuple[PlannedBatch, tor
     as one `PlannedBatch`, and the labels as int64 (N,)."""
     encoded = [(i, p) for i, (p, _) in enumerate(items) if isinstance(p, EncodedImage)]
     finished = [(i, p) for i, (p, _) in enumerate(items) if not isinstance(p, EncodedImage)]
-    sizes = [len(p.data) for _, p in encoded]
-    buffer = bytearray(sum(sizes))
-    view, start = memoryview(buffer), 0
-    for (_, payload), size in zip(encoded, sizes, strict=True):
-        view[start : start + size] = payload.data
-        start += size
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
+    offsets = [0, *accumulate(len(p.data) for _, p in encoded)]
+    buffer = bytearray(offsets[-1])
+    view = memoryview(buffer)
+    for (_, payload), (start, end) in zip(encoded, pairwise(offsets), strict=True):
+        view[start:end] = payload.data
     batch = PlannedBatch(
         data=torch.frombuffer(buffer, dtype=torch.uint8) if buffer else _empty(torch.uint8),
         offsets=torch.tensor(offsets, dtype=torch.int64),
