@@ -82,7 +82,7 @@ class StepRunner:
         precision: the autocast recipe; fp16 brings a GradScaler.
         clip_grad: max gradient norm, or None.
         label_smoothing: for the training loss.
-        channels_last: feed NHWC-strided inputs.
+        channels_last: feed NHWC-strided inputs (else NCHW, whatever the loader's layout).
         on_backoff: told (micro-batch, accumulation) after an out-of-memory backoff.
     """
 
@@ -186,9 +186,9 @@ class StepRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`model`'s logits for a uint8 batch (normalised on the device, under autocast), and
         the labels on the device; training and evaluation share it."""
-        x = normalize(images, self.device)
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = normalize(images, self.device)  # the loader's layout: train crops channels-last
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        x = x.contiguous(memory_format=layout)  # the model's layout, as configured
         y = labels.to(self.device, non_blocking=True)
         dtype = self.precision.dtype
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):

@@ -88,7 +88,8 @@ class CropBox(NamedTuple):
 
 
 def decode_rgb(data: bytes, max_pixels: int | None = None) -> torch.Tensor:
-    """Encoded image bytes → uint8 tensor (3, H, W).
+    """Encoded image bytes → uint8 tensor (3, H, W), stored (H, W, 3) as torchvision's
+    decoders give it (channels-last: see `ImageTransform.crop_flip`).
 
     Args:
         data: the encoded image.
@@ -114,7 +115,7 @@ def decode_rgb(data: bytes, max_pixels: int | None = None) -> torch.Tensor:
         raise FieldDecodeError(
             f"image ({len(data)} bytes) does not decode: {stable_message(exc)}"
         ) from None
-    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)  # (H, W, 3) in memory, as above
 
 
 def dct_factor(box_width: int, box_height: int, size: int) -> int:
@@ -347,13 +348,24 @@ class ImageTransform:
         """The train recipe after the decode: `box` of `image` resized to the output size
         (bilinear, antialiased), flipped on the generator's next draw. The kernel is the one
         ``v2.functional.resized_crop`` runs on uint8 (a test holds the two equal, pixel for
-        pixel), called without v2's per-call dispatch."""
+        pixel), called without v2's per-call dispatch.
+
+        The result is channels-last in memory (a (3, H, W) view of an (H, W, 3) tensor), as
+        the kernel writes it, and `dlpipe.loading.views.collate` stacks such samples into a
+        channels-last batch: a copy to (3, H, W) order cost 90 µs a sample, 7 % of the CPU a
+        train sample takes. The box is copied channels-last first, which the kernel reads
+        faster than the decoded image's strided view."""
         top, left, height, width = box
-        crop = image[None, :, top : top + height, left : left + width]
+        crop = torch.empty(  # not .contiguous(memory_format): a full-width box's view passes
+            (1, image.shape[0], height, width),  # its test uncopied, yet the kernel then reads
+            dtype=image.dtype,  # it as (3, H, W) and writes (3, H, W)
+            memory_format=torch.channels_last,
+        )
+        crop[0].copy_(image[:, top : top + height, left : left + width])
         size = (self.image_size, self.image_size)
         out = interpolate(crop, size=size, mode="bilinear", antialias=True, align_corners=False)
         flip = torch.rand(1, generator=generator) < 0.5  # v2.RandomHorizontalFlip's draw
-        return (out[0].flip(-1) if flip else out[0]).contiguous()
+        return out[0].flip(-1) if flip else out[0]
 
     def __repr__(self) -> str:
         return f"ImageTransform({self.recipe!r}, image_size={self.image_size})"

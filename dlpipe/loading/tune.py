@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils.data
 
 from dlpipe._version import __version__
 from dlpipe.errors import SplitTooSmallError
@@ -47,6 +46,7 @@ from dlpipe.loading.dataset import open_dataset
 from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
 from dlpipe.loading.verdicts import decode_verdict, verdict
+from dlpipe.loading.views import collate as collate_batch
 from dlpipe.machine import available_memory, cpu_seconds, proportional_set_size, usable_cpus
 from dlpipe.manifest import read_manifest
 
@@ -216,7 +216,7 @@ def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
         transform_s = time.perf_counter() - start
     start = time.perf_counter()
     for i in range(0, len(crops) - batch_size + 1, batch_size):
-        torch.utils.data.default_collate(crops[i : i + batch_size])
+        collate_batch(crops[i : i + batch_size])
     collate_s = time.perf_counter() - start
     dataset.close()
     torch.set_num_threads(threads)

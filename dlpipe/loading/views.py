@@ -19,6 +19,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import torch.utils.data
+from torch.utils.data._utils.collate import (  # the registry default_collate documents
+    collate as collate_with,
+)
+from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
 from dlpipe.loading.dataset import MapDataset, StreamDataset
 from dlpipe.loading.order import StreamOrder
@@ -30,8 +34,10 @@ __all__ = [
     "StreamView",
     "apply_transform",
     "collate",
+    "memory_order",
     "pack_rows",
     "shard_runs",
+    "stack_in_memory_order",
     "unpack_rows",
 ]
 
@@ -130,11 +136,14 @@ class _Rows(NamedTuple):
 
 
 class _TensorArray(NamedTuple):
-    """A tensor carried as its bytes (the DataLoader turns numpy arrays back into tensors)."""
+    """A tensor carried as its bytes in memory order (`memory_order`; the DataLoader turns
+    numpy arrays back into tensors): `shape` is the permuted tensor's, `order` the
+    permutation (a channels-last image stays channels-last, and its bytes a plain copy)."""
 
     data: bytes
     dtype: str
     shape: tuple[int, ...]
+    order: tuple[int, ...]
 
 
 def pack_rows(rows: list[Any]) -> _Rows:
@@ -155,11 +164,12 @@ def unpack_rows(rows: Any) -> list[Any]:
 
 def _to_array(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+        order = memory_order(leaf)
         try:
-            array = leaf.numpy()
+            array = leaf.permute(order).numpy()
         except (TypeError, RuntimeError):  # a dtype numpy has not (bfloat16), or grad
             return leaf
-        return _TensorArray(array.tobytes(), array.dtype.str, array.shape)
+        return _TensorArray(array.tobytes(), array.dtype.str, array.shape, order)
     return leaf
 
 
@@ -167,7 +177,7 @@ def _from_array(leaf: Any) -> Any:
     if not isinstance(leaf, _TensorArray):
         return leaf
     array = np.frombuffer(bytearray(leaf.data), dtype=np.dtype(leaf.dtype))
-    return torch.from_numpy(array.reshape(leaf.shape))
+    return torch.from_numpy(array.reshape(leaf.shape)).permute(_inverse(leaf.order))
 
 
 def _map_leaves(value: Any, fn: Callable[[Any], Any]) -> Any:
@@ -196,7 +206,46 @@ def apply_transform(
 
 
 def collate(batch: list[Any]) -> Any:
-    """Raw samples as a list of dicts; anything else through torch's default_collate."""
+    """Raw samples as a list of dicts; anything else as torch's default_collate collates it,
+    except that tensors stored in the same memory order are stacked in that order
+    (`stack_in_memory_order`): channels-last train crops make a channels-last batch."""
     if batch and isinstance(batch[0], dict):
         return batch  # raw samples: a list of dicts
-    return torch.utils.data.default_collate(batch)
+    return collate_with(batch, collate_fn_map=_COLLATE_FNS)
+
+
+def memory_order(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The permutation of `tensor`'s dimensions that lists them as its memory holds them
+    (outermost first): ``tensor.permute(order)`` is contiguous when `tensor` is dense. A
+    channels-last (3, H, W) image gives (1, 2, 0); a contiguous tensor, the identity."""
+    strides = tensor.stride()
+    return tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(order.index(d) for d in range(len(order)))
+
+
+def stack_in_memory_order(
+    batch: list[torch.Tensor], *, collate_fn_map: dict[Any, Any] | None = None
+) -> torch.Tensor:
+    """Tensors stacked along a new first dimension, as torch's default_collate stacks them
+    (into a shared-memory segment inside a DataLoader worker), but keeping the samples'
+    memory order when they all share one: the stack then copies rows as they lie, where
+    stacking into the standard order would transpose every sample."""
+    first = batch[0]
+    if first.layout != torch.strided or first.is_nested or first.device.type != "cpu":
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # it names the error
+    order = memory_order(first)
+    if order == tuple(range(first.dim())) or any(memory_order(t) != order for t in batch):
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    permuted = [tensor.permute(order) for tensor in batch]
+    out = None
+    if torch.utils.data.get_worker_info() is not None:  # as collate_tensor_fn does
+        storage = first._typed_storage()._new_shared(len(batch) * first.numel())
+        out = first.new(storage).resize_(len(batch), *permuted[0].shape)
+    stacked = torch.stack(permuted, 0, out=out)
+    return stacked.permute(0, *(d + 1 for d in _inverse(order)))
+
+
+_COLLATE_FNS = {**default_collate_fn_map, torch.Tensor: stack_in_memory_order}
