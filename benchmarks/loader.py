@@ -22,8 +22,9 @@ d. **decode candidates**, one process, ``torch.set_num_threads(1)``, the JPEG by
    TorchCodec's ``decode_jpeg`` where it installs, each + the same crop/flip on uint8) and
    the ones that decode less (PIL draft, dlpipe's crop-aware transform with the box's region
    decoded where a TurboJPEG 3 library is installed, and with simplejpeg's whole decode).
-e. **the 2-core full-decode limit** = cores x the best single-core rate of a *full* decode in
-   (d): only decoding less than the whole image can pass it.
+e. **the 2-core full-decode limit** = cores x the single-core rate of the best *full* decode
+   in (d), measured again in each side-by-side round: only decoding less than the whole image
+   can pass it.
 
 Pillow-SIMD has no wheel and replaces Pillow in a venv, so it is measured by running this
 script in a venv where ``pip install pillow-simd`` (a compiler and libjpeg headers needed)
@@ -32,12 +33,18 @@ Measured once that way on 2 cores (Pillow-SIMD 12.1.1.post0 against Pillow 13.0.
 decode + RandomResizedCrop(224) + flip of (d)): 823-851 against 529-571 samples per CPU-second;
 its resize is 4.3x Pillow's (131-137 against 582-589 µs per crop), its decode the same.
 
-Each loader is built once, warmed up (max(2, W + 1) batches: worker start and first
-prefetch), then timed over a fixed number of batches (default 10, epochs wrap around), five
-times; the figure is the median window (one window with ``--quick``). Each row also gives the
+The sweep: each loader is built once, warmed up (max(2, W + 1) batches: worker start and
+first prefetch), then timed over a fixed number of batches (default 10, epochs wrap around),
+five times; the figure is the median window (one window with ``--quick``). Each row also gives the
 warm-up time (to the first batches), the memory (the proportional set size of this process
 and its worker processes) and the loading process's own CPU per sample: with worker processes,
-what receiving their batches costs it (the IPC). Decode candidates are
+what receiving their batches costs it (the IPC). Then side by side
+(what the summary table and the goals use): each contender's best count from the sweep, all
+built at once, timed in turns over as many rounds; each round gives every contender one window,
+after the others' workers have gone idle (they filled their prefetch queues) and its own ready
+batches are drained, and one pass of the best full decoder on one core (the limit). Ratios are
+medians of the round-by-round ratios: the shared machine's speed drifts by 20-30 % over a
+run, which a sweep, contender after contender, turns into ratios. Decode candidates are
 timed in CPU time over the first images of the corpus, the candidates alternating pass by pass,
 median of 5 passes (1 with ``--quick``).
 
@@ -403,6 +410,100 @@ def run_loaders(found: list[Contender], args: argparse.Namespace) -> list[dict[s
     return rows
 
 
+def _settle(limit_s: float = 3.0) -> None:
+    """Wait until this process and its workers are idle: the loaders timed before have
+    filled their prefetch queues, so their work does not fall into the next window."""
+    deadline = time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        cpu = cpu_seconds()
+        time.sleep(0.2)
+        if cpu_seconds() - cpu < 0.02:  # under a tenth of a core
+            return
+
+
+def _drain(it: Iterator[Any], made_s: float = 0.01, most: int = 64) -> None:
+    """Take the batches a loader made while it waited (its prefetch queue, whatever depth)
+    until one comes as slowly as a batch being made (`made_s`; a ready one takes well
+    under a millisecond): what follows is made while the window runs."""
+    for _ in range(most):
+        start = time.perf_counter()
+        next(it)
+        if time.perf_counter() - start > made_s:
+            return
+
+
+def _limit_pass(fn: Callable[[bytes], torch.Tensor], blobs: list[bytes]) -> float:
+    """One core's samples per CPU-second of a decode candidate over `blobs`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.process_time()
+        for data in blobs:
+            fn(data)
+        return len(blobs) / (time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def side_by_side(
+    found: list[Contender],
+    rows: list[dict[str, Any]],
+    decoders: list[dict[str, Any]],
+    files: list[str],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Every contender at its best count from the sweep, all built at once and timed in
+    turns: each round gives each one window (after the others' workers have gone idle and
+    its own ready batches are drained: `_settle`, `_drain`) and one pass of the best full
+    decoder on one core (the limit), so every ratio compares figures measured seconds apart,
+    round by round, however the shared machine's speed drifts over the run."""
+    best = _best_rows(rows)
+    makers = {name: make for name, _, make, _ in found}
+    full = [r for r in decoders if r["full"]]
+    limit_name = max(full, key=lambda r: r["samples_per_s_per_core"])["candidate"]
+    limit_fn = decode_candidates()[limit_name]
+    blobs = [Path(p).read_bytes() for p in files]
+    loaders: dict[str, Iterator[Any]] = {}
+    for name, row in best.items():
+        it = forever(makers[name](row["workers"]))
+        for _ in range(max(2, row["workers"] + 1)):
+            next(it)
+        loaders[name] = it
+    for data in blobs[:16]:
+        limit_fn(data)  # warm-up
+    turns = [*loaders, LIMIT]
+    rates: dict[str, list[float]] = {name: [] for name in turns}
+    per_cpu: dict[str, list[float]] = {name: [] for name in turns}
+    for round_ in range(args.windows):
+        for name in turns[round_ % len(turns) :] + turns[: round_ % len(turns)]:
+            _settle()
+            if name == LIMIT:
+                rate = _limit_pass(limit_fn, blobs)
+                rates[name].append(rate)
+                per_cpu[name].append(rate)
+                continue
+            it = loaders[name]
+            _drain(it)
+            count, start, cpu = 0, time.perf_counter(), cpu_seconds()
+            for _ in range(args.batches):
+                images, _ = next(it)
+                count += len(images)
+            rates[name].append(count / (time.perf_counter() - start))
+            per_cpu[name].append(count / max(cpu_seconds() - cpu, 1e-9))
+        log(f"  side by side: round {round_ + 1} of {args.windows}")
+    loaders.clear()
+    log(f"  side by side: the limit's decoder {limit_name}")
+    return {
+        "limit_decoder": limit_name,
+        "workers": {name: row["workers"] for name, row in best.items()},
+        "rates": rates,
+        "per_cpu": per_cpu,
+    }
+
+
+LIMIT = "limit"
+
+
 def _best_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     best: dict[str, dict[str, Any]] = {}
     for row in rows:
@@ -414,61 +515,70 @@ def _best_rows(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
-def summarise(rows: list[dict[str, Any]], decoders: list[dict[str, Any]], cores: int) -> dict:
-    full = [r for r in decoders if r["full"]]
-    best_decoder = max(full, key=lambda r: r["samples_per_s_per_core"])
-    per_core = best_decoder["samples_per_s_per_core"]
-    limit = cores * per_core
-    best = _best_rows(rows)
-    baseline = next(r for r in best.values() if r["kind"] == "baseline")
-    ffcv = next((r for n, r in best.items() if n.startswith("FFCV")), None)
-    table = []
-    for name, row in best.items():
-        rate = row["samples_per_s"]
-        table.append(
-            {
-                "contender": name,
-                "kind": row["kind"],
-                "workers": row["workers"],
-                "samples_per_s": rate,
-                "samples_per_cpu_s": row["samples_per_cpu_s"],
-                "x_baseline": rate / baseline["samples_per_s"],
-                "x_ffcv": rate / ffcv["samples_per_s"] if ffcv else None,
-                "x_limit": rate / limit,
-            }
-        )
+def _paired(a: list[float], b: list[float]) -> float:
+    """The median of round-by-round ratios a/b."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def summarise(side: dict[str, Any], rows: list[dict[str, Any]], cores: int) -> dict[str, Any]:
+    """The side-by-side round's medians, each ratio the median of its per-round ratios."""
+    rates, per_cpu = side["rates"], side["per_cpu"]
+    per_core = rates[LIMIT]
+    limit = [cores * rate for rate in per_core]
+    kinds = {row["contender"]: row["kind"] for row in rows}
+    names = [name for name in rates if name != LIMIT]
+    baseline = next(name for name in names if kinds[name] == "baseline")
+    ffcv = next((name for name in names if name.startswith("FFCV")), None)
+    table = [
+        {
+            "contender": name,
+            "kind": kinds[name],
+            "workers": side["workers"][name],
+            "samples_per_s": statistics.median(rates[name]),
+            "samples_per_cpu_s": statistics.median(per_cpu[name]),
+            "x_baseline": _paired(rates[name], rates[baseline]),
+            "x_ffcv": _paired(rates[name], rates[ffcv]) if ffcv else None,
+            "x_limit": _paired(rates[name], limit),
+            "x_cpu": _paired(per_cpu[name], per_core),
+        }
+        for name in names
+    ]
     return {
         "limit": {
-            "samples_per_s": limit,
+            "samples_per_s": statistics.median(limit),
             "cores": cores,
-            "per_core": per_core,
-            "decoder": best_decoder["candidate"],
+            "per_core": statistics.median(per_core),
+            "decoder": side["limit_decoder"],
         },
         "best": table,
-        "goals": goals(table, per_core),
+        "goals": goals(table, rates),
     }
 
 
-def goals(table: list[dict[str, Any]], per_core: float) -> dict[str, Any]:
-    """Issue 13's goals on the best dlpipe row (and per format for wds against lmdb)."""
+def goals(table: list[dict[str, Any]], rates: dict[str, list[float]]) -> dict[str, Any]:
+    """Issue 13's goals on the fastest dlpipe row, and wds against lmdb: per round, each
+    format's faster engine."""
     dl = [t for t in table if t["kind"] == "dlpipe"]
     top = max(dl, key=lambda t: t["samples_per_s"])
-    by_format: dict[str, float] = {}
+    by_format: dict[str, list[float]] = {}
     for t in dl:
         fmt = t["contender"].split("(")[1].split(",")[0]
-        by_format[fmt] = max(by_format.get(fmt, 0.0), t["samples_per_s"])
-    wds = by_format.get("wds", 0.0) / by_format["lmdb"] if "lmdb" in by_format else None
+        rounds = rates[t["contender"]]
+        known = by_format.get(fmt, [0.0] * len(rounds))
+        by_format[fmt] = [max(a, b) for a, b in zip(known, rounds, strict=True)]
+    both = {"wds", "lmdb"} <= set(by_format)
+    wds = _paired(by_format["wds"], by_format["lmdb"]) if both else None
     return {
         "best": top["contender"],
         "x_ffcv": top["x_ffcv"],
         "ffcv_met": top["x_ffcv"] is not None and top["x_ffcv"] >= GOAL_FFCV,
         "x_limit": top["x_limit"],
         "limit_met": top["x_limit"] >= GOAL_LIMIT,
-        "x_cpu": top["samples_per_cpu_s"] / per_core,
-        "cpu_met": top["samples_per_cpu_s"] / per_core >= GOAL_CPU,
+        "x_cpu": top["x_cpu"],
+        "cpu_met": top["x_cpu"] >= GOAL_CPU,
         "wds_x_lmdb": wds,
         "wds_met": wds is not None and wds >= GOAL_WDS,
-        "by_format": by_format,
+        "by_format": {fmt: statistics.median(r) for fmt, r in by_format.items()},
     }
 
 
@@ -496,13 +606,20 @@ def markdown(result: dict[str, Any]) -> str:
         f". Converted once per format with `dlpipe convert` ({result['convert_s']}).",
         "",
         "Every loader yields uint8 (64, 3, 224, 224) batches of RandomResizedCrop(224) + flip. "
-        f"Each is built once, warmed up (max(2, W+1) batches), then timed over {cfg['batches']} "
-        f"batches ({cfg['batches'] * BATCH} samples; epochs wrap around), "
-        f"{cfg['windows']} time(s); median window. Best of worker processes {cfg['workers']} "
-        f"or threads {cfg['threads']} per contender. Samples per CPU-second count this "
-        "process's threads and its worker processes. The 2-core full-decode limit = "
-        f"{lim['cores']} cores x {lim['per_core']:.0f} samples/s (the best single-core *full* "
-        f"decode + transform below: {lim['decoder']}) = {lim['samples_per_s']:.0f} samples/s.",
+        "First a sweep: each contender at each count of worker processes "
+        f"{cfg['workers']} or threads {cfg['threads']}, built once, warmed up (max(2, W+1) "
+        f"batches), timed over {cfg['batches']} batches ({cfg['batches'] * BATCH} samples; "
+        f"epochs wrap around) {cfg['windows']} time(s) (every figure below the goals). Then "
+        "**side by side**: each contender's best count, all built at once, timed in turns, "
+        f"{cfg['windows']} round(s), each giving every contender one window (after the "
+        "others' workers have gone idle and its own ready batches are drained) and the limit "
+        "one pass. The table gives the median window and, in the x columns, the median of "
+        "the round-by-round ratios, so a slow spell of the shared machine falls on both sides "
+        "of each ratio. Samples per CPU-second count this process's threads and its worker "
+        f"processes. The 2-core full-decode limit = {lim['cores']} cores x one core's rate "
+        f"of the best *full* decode + transform of the decode candidates below "
+        f"({lim['decoder']}), measured in each round: median {lim['per_core']:.0f} samples "
+        f"per CPU-second, so {lim['samples_per_s']:.0f} samples/s.",
         "",
         "| contender | workers | samples/s | samples per CPU-s | x baseline | x FFCV | x limit |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -533,7 +650,24 @@ def markdown(result: dict[str, Any]) -> str:
         f"- wds within 5 % of lmdb (best against best): {met(g['wds_met'])} "
         f"({'-' if wds is None else f'{wds:.2f}x'})",
         "",
-        "## Every loader measurement",
+        "## Side by side, round by round",
+        "",
+        "samples/s per window (samples per CPU-second in brackets); the limit row is one "
+        "core's samples per CPU-second.",
+        "",
+        "| contender | workers | rounds |",
+        "|---|---:|---|",
+    ]
+    side = result["side_by_side"]
+    for name, rates in side["rates"].items():
+        cells = ", ".join(
+            f"{r:,.0f} ({c:,.0f})" for r, c in zip(rates, side["per_cpu"][name], strict=True)
+        )
+        workers = side["workers"].get(name, "1 core")
+        lines.append(f"| {name} | {workers} | {cells} |")
+    lines += [
+        "",
+        "## Every loader measurement (the sweep)",
         "",
         "The loading process's CPU per sample is everything with 0 workers or threads; with "
         "worker processes it is what receiving their batches costs (unpickling, shared-memory "
@@ -640,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = stage_costs(datasets)
         found, missing = contenders(root, datasets, work, args)
         rows = run_loaders(found, args)
+        side = side_by_side(found, rows, decoders, files[: args.decode_images], args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     stem = "loader_quick" if args.quick else "loader"
@@ -668,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
         "peers": peer_versions(),
         "missing_peers": missing,
         "rows": rows,
-        "summary": summarise(rows, decoders, cores),
+        "side_by_side": side,
+        "summary": summarise(side, rows, cores),
         "total_s": time.perf_counter() - started,
     }
     write_results(args.out, stem, result, markdown)
