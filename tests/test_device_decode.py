@@ -70,6 +70,8 @@ def _compare(device, cpu) -> float:
     diffs = []
     for (a, la), (b, lb) in zip(device, cpu, strict=True):
         assert a.dtype == torch.uint8 and a.shape == b.shape == (len(la), 3, 48, 48)
+        for images in (a, b):  # both paths lay batches out channels-last
+            assert images.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(la, lb)  # same samples in the same order
         diffs.append(float((a.float() - b.float()).abs().mean()))
     return max(diffs)

@@ -11,7 +11,7 @@ tensor a shared-memory segment, a file descriptor over a socket and a pinned buf
 own). The main process decodes the whole batch in one call (``torchvision.io.decode_jpeg``
 on a list, batched nvJPEG on CUDA), then crops, resizes (bilinear, antialiased), flips and
 rounds each image on the device and stacks them: the loader yields uint8 (N, 3, S, S)
-batches already on the GPU.
+batches already on the GPU, channels-last as the CPU path's.
 
 What nvJPEG cannot take here (PNG, WebP, CMYK/YCCK JPEGs) is decoded on the CPU in the worker
 as before and travels as a finished crop; the batch mixes both. A JPEG that fails on the device
@@ -214,8 +214,11 @@ class DeviceDecoder:
         self, batch: tuple[PlannedBatch, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         planned, labels = batch
-        out = torch.empty(
-            (planned.samples, 3, self.size, self.size), dtype=torch.uint8, device=self.device
+        out = torch.empty(  # channels-last, as the CPU path's batches
+            (planned.samples, 3, self.size, self.size),
+            dtype=torch.uint8,
+            device=self.device,
+            memory_format=torch.channels_last,
         )
         if len(planned.encoded_at):
             bounds = planned.offsets.tolist()
@@ -249,7 +252,10 @@ class DeviceDecoder:
         """Each decoded image cropped and resized as planned (in float, one image at a time:
         the sizes differ), then the whole batch flipped, rounded and made uint8 at once."""
         resized = torch.empty(
-            (len(images), 3, self.size, self.size), dtype=torch.float32, device=self.device
+            (len(images), 3, self.size, self.size),
+            dtype=torch.float32,
+            device=self.device,
+            memory_format=torch.channels_last,
         )
         for k, (image, plan) in enumerate(zip(images, plans.tolist(), strict=True)):
             top, left, height, width, _, resize_h, resize_w = plan
