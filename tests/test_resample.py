@@ -73,3 +73,19 @@ def test_each_weight_row_is_torchs_window_and_sums_to_one() -> None:
     assert not row[10:].any()  # past the image: padding weighs nothing
     flipped = antialias_weights(torch.tensor([[10, 4, 0]]), torch.tensor([True]), 4, 12)
     assert torch.equal(flipped[0], weights[0].flip(0))
+
+
+def test_a_large_image_pads_only_its_own_chunk() -> None:
+    """Chunks are runs within the byte budget, each padded to its own largest image: one big
+    image does not make every small one a big float stack."""
+    from dlpipe.loading.resample import _chunks
+
+    small, big = torch.zeros(3, 10, 12), torch.zeros(3, 100, 90)
+    images = [small, small, small, big, small, small]
+    budget = 3 * 3 * 10 * 12 * 4  # three small images
+    assert _chunks(images, budget) == [
+        (slice(0, 3), 10, 12),
+        (slice(3, 4), 100, 90),  # over the budget alone: a chunk of its own
+        (slice(4, 6), 10, 12),
+    ]
+    assert _chunks(images, 1 << 30) == [(slice(0, 6), 100, 90)]

@@ -84,13 +84,8 @@ def resize_many(
     device = images[0].device
     rows, cols, flips = rows.to(device), cols.to(device), flips.to(device)
     channels = images[0].shape[0]
-    height = max(image.shape[-2] for image in images)
-    width = max(image.shape[-1] for image in images)
-    per_image = channels * height * width * 4
-    step = max(1, chunk_bytes // per_image)
     out = torch.empty((len(images), channels, size, size), dtype=torch.float32, device=device)
-    for start in range(0, len(images), step):
-        part = slice(start, min(start + step, len(images)))
+    for part, height, width in _chunks(images, chunk_bytes):
         chunk = images[part]
         stacked = torch.zeros(
             (len(chunk), channels, height, width), dtype=torch.float32, device=device
@@ -102,3 +97,22 @@ def resize_many(
         narrowed = stacked @ across.transpose(1, 2)[:, None]  # (b, C, height, size)
         out[part] = down[:, None] @ narrowed
     return out
+
+
+def _chunks(images: Sequence[torch.Tensor], chunk_bytes: int) -> list[tuple[slice, int, int]]:
+    """Consecutive runs of images whose zero-padded float32 stack stays within `chunk_bytes`
+    (an image larger than that alone), each with the height and width it pads to."""
+    found: list[tuple[slice, int, int]] = []
+    start = 0
+    while start < len(images):
+        height = width = 0
+        end = start
+        while end < len(images):
+            h = max(height, images[end].shape[-2])
+            w = max(width, images[end].shape[-1])
+            if end > start and (end - start + 1) * images[end].shape[0] * h * w * 4 > chunk_bytes:
+                break
+            height, width, end = h, w, end + 1
+        found.append((slice(start, end), height, width))
+        start = end
+    return found
