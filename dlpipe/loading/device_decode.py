@@ -222,16 +222,18 @@ class DeviceDecoder:
             memory_format=torch.channels_last,
         )
         if len(planned.encoded_at):
-            bounds = planned.offsets.tolist()
-            datas = [planned.data[start:end] for start, end in pairwise(bounds)]
-            images = self._decode(datas, planned.keys)
-            out[planned.encoded_at.to(self.device)] = self._finish(images, planned.plans)
+            out[planned.encoded_at.to(self.device)] = self.finish(
+                self.decode(planned), planned.plans
+            )
         if len(planned.finished_at):
             finished = planned.finished.to(self.device, non_blocking=True)
             out[planned.finished_at.to(self.device, non_blocking=True)] = finished
         return out, labels
 
-    def _decode(self, datas: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
+    def decode(self, planned: PlannedBatch) -> list[torch.Tensor]:
+        """The batch's JPEGs decoded on the device, uint8 (3, H, W) each, in their order."""
+        bounds = planned.offsets.tolist()
+        datas = [planned.data[start:end] for start, end in pairwise(bounds)]
         if not datas:
             return []
         try:
@@ -239,7 +241,7 @@ class DeviceDecoder:
         except RuntimeError:
             pass  # one bad JPEG fails the whole call: decode each to name it
         images = []
-        for data, key in zip(datas, keys, strict=True):
+        for data, key in zip(datas, planned.keys, strict=True):
             try:
                 images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
             except RuntimeError as exc:
@@ -249,7 +251,7 @@ class DeviceDecoder:
                 ) from None
         return images
 
-    def _finish(self, images: list[torch.Tensor], plans: torch.Tensor) -> torch.Tensor:
+    def finish(self, images: list[torch.Tensor], plans: torch.Tensor) -> torch.Tensor:
         """The decoded images cropped, resized and flipped as planned, all at once
         (`dlpipe.loading.resample.resize_many`: a batch of differently sized crops as two
         batched matrix products), then rounded to uint8."""
