@@ -257,28 +257,34 @@ PARTIAL_DECODES = frozenset(  # candidates that decode less than the whole image
 )
 
 
+def one_core_rate(fn: Callable[[bytes], torch.Tensor], blobs: list[bytes]) -> float:
+    """One pass of a decode candidate over `blobs` with ``torch.set_num_threads(1)``: its
+    samples per CPU-second on one core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.process_time()
+        for data in blobs:
+            fn(data)
+        return len(blobs) / (time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def time_decoders(files: list[str], repeats: int) -> list[dict[str, Any]]:
     """One process's samples per CPU-second of each candidate over `files` (bytes read
     beforehand): the candidates alternate pass by pass, so a slow spell of a shared machine
     falls on all of them, and CPU time leaves out what other processes took."""
     blobs = [Path(p).read_bytes() for p in files]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     candidates = decode_candidates()
     rates: dict[str, list[float]] = {name: [] for name in candidates}
-    try:
+    for name, fn in candidates.items():
+        for data in blobs[:16]:  # warm-up
+            out = fn(data)
+        assert out.dtype == torch.uint8 and tuple(out.shape) == (3, SIZE, SIZE), name
+    for _ in range(repeats):
         for name, fn in candidates.items():
-            for data in blobs[:16]:  # warm-up
-                out = fn(data)
-            assert out.dtype == torch.uint8 and tuple(out.shape) == (3, SIZE, SIZE), name
-        for _ in range(repeats):
-            for name, fn in candidates.items():
-                start = time.process_time()
-                for data in blobs:
-                    fn(data)
-                rates[name].append(len(blobs) / (time.process_time() - start))
-    finally:
-        torch.set_num_threads(threads)
+            rates[name].append(one_core_rate(fn, blobs))
     rows = []
     for name, found in rates.items():
         rate = statistics.median(found)
@@ -432,19 +438,6 @@ def _drain(it: Iterator[Any], made_s: float = 0.01, most: int = 64) -> None:
             return
 
 
-def _limit_pass(fn: Callable[[bytes], torch.Tensor], blobs: list[bytes]) -> float:
-    """One core's samples per CPU-second of a decode candidate over `blobs`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        start = time.process_time()
-        for data in blobs:
-            fn(data)
-        return len(blobs) / (time.process_time() - start)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def side_by_side(
     found: list[Contender],
     rows: list[dict[str, Any]],
@@ -478,7 +471,7 @@ def side_by_side(
         for name in turns[round_ % len(turns) :] + turns[: round_ % len(turns)]:
             _settle()
             if name == LIMIT:
-                rate = _limit_pass(limit_fn, blobs)
+                rate = one_core_rate(limit_fn, blobs)
                 rates[name].append(rate)
                 per_cpu[name].append(rate)
                 continue
