@@ -186,9 +186,9 @@ class StepRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`model`'s logits for a uint8 batch (normalised on the device, under autocast), and
         the labels on the device; training and evaluation share it."""
-        x = normalize(images, self.device)  # the loader's layout: train crops channels-last
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        x = x.contiguous(memory_format=layout)  # the model's layout, as configured
+        images = images.to(self.device, non_blocking=True)  # the loader's layout
+        x = normalize(images.contiguous(memory_format=layout))  # the model's, laid out in uint8
         y = labels.to(self.device, non_blocking=True)
         dtype = self.precision.dtype
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
