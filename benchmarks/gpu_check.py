@@ -13,9 +13,7 @@ the others:
    ``all_reduce`` and a ``broadcast`` give the expected values.
 4. **decode**: the corpus's JPEGs (photo-like, ~100 KB, ~400 x 350 px) decoded in batches of
    256 by ``torchvision.io.decode_jpeg(device="cuda")`` (nvJPEG), images/s, against
-   simplejpeg on one CPU core; and dlpipe's device decoder (decode + crop + resize + flip),
-   with its crop + resize + flip alone, batched (as it runs) against image by image (as it
-   ran until the batched resize) on the same decoded images.
+   simplejpeg on one CPU core; and dlpipe's device decoder (decode + crop + resize + flip).
 5. **bench_loader**: the corpus converted to lmdb, then ``dlpipe bench-loader --device cuda``
    on it, as a user runs it before training: the settings and the decode (CPU or GPU) it
    picks by measurement, its verdict, and the profile it saves beside the data.
@@ -165,41 +163,6 @@ def check_decode(files: list[str]) -> dict[str, Any]:
         decoder(batch)
     _sync()
     out["device_decoder_images_per_s"] = len(planned) / (time.perf_counter() - start)
-    out.update(_finish_candidates(decoder, batches[:8]))
-    return out
-
-
-def _finish_candidates(decoder: Any, batches: list[Any]) -> dict[str, Any]:
-    """The device decoder's crop + resize + flip alone, on batches decoded beforehand: the
-    batched resize it runs (`dlpipe.loading.resample`) against the per-image `interpolate`
-    it replaced (kept here as the reference), images/s and their largest difference."""
-    from torch.nn.functional import interpolate
-
-    def per_image(images: list[torch.Tensor], plans: torch.Tensor) -> torch.Tensor:
-        size = decoder.size
-        done = torch.empty((len(images), 3, size, size), device=decoder.device)
-        for k, (image, plan) in enumerate(zip(images, plans.tolist(), strict=True)):
-            top, left, height, width, flip, _, _ = plan
-            box = image[:, top : top + height, left : left + width].unsqueeze(0).float()
-            pixels = interpolate(box, size=(size, size), mode="bilinear", antialias=True)[0]
-            done[k] = pixels.flip(-1) if flip else pixels
-        return done.round_().clamp_(0, 255).to(torch.uint8)
-
-    decoded = [(decoder.decode(planned), planned.plans) for planned, _ in batches]
-    out: dict[str, Any] = {}
-    for name, finish in (("batched", decoder.finish), ("per_image", per_image)):
-        finish(*decoded[0])
-        _sync()
-        start = time.perf_counter()
-        for images, plans in decoded:
-            finish(images, plans)
-        _sync()
-        count = sum(len(images) for images, _ in decoded)
-        out[f"finish_{name}_images_per_s"] = count / (time.perf_counter() - start)
-    differences = [
-        (decoder.finish(*pair).int() - per_image(*pair).int()).abs().max() for pair in decoded
-    ]
-    out["finish_max_difference"] = int(max(differences))
     return out
 
 
@@ -306,17 +269,6 @@ SUMMARY = [  # (what, path in checks, format)
         "decode.device_decoder_images_per_s",
         "{:,.0f}",
     ),
-    (
-        "... its crop + resize + flip alone, batched: images/s",
-        "decode.finish_batched_images_per_s",
-        "{:,.0f}",
-    ),
-    (
-        "... the same image by image (before): images/s",
-        "decode.finish_per_image_images_per_s",
-        "{:,.0f}",
-    ),
-    ("... largest difference between the two (of 255)", "decode.finish_max_difference", "{}"),
     ("simplejpeg, one CPU core: images/s", "decode.simplejpeg_images_per_s_one_core", "{:,.0f}"),
     *[
         row
