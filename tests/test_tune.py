@@ -11,7 +11,7 @@ import dlpipe
 from dlpipe.cli import main
 from dlpipe.loading import jpeg_region, tune, verdicts
 
-# a budget for every trial of both engines (3 + 2 rungs, 2 prefetch) at the shortest window
+# a budget for every trial of both engines (2 + 2 rungs, 2 prefetch) at the shortest window
 QUICK = ["--budget", "8", "--max-workers", "2", "--batch-size", "8", "--image-size", "32"]
 
 
@@ -23,7 +23,8 @@ def test_bench_loader_reports_saves_and_make_loader_uses_it(make_dataset, capsys
     report = json.loads(capsys.readouterr().out)
     stages = report["stages"]
     assert stages["read"] >= stages["decode"] >= stages["transform"] >= stages["collate"] > 0
-    assert [t["num_workers"] for t in report["trials"]][:3] == [0, 1, 2]
+    processes = [t["num_workers"] for t in report["trials"] if t["engine"] == "processes"]
+    assert processes[:2] == [2, 0]  # from the core count (2 here: the --max-workers cap) down
     assert {t["engine"] for t in report["trials"]} == {"processes", "threads"}
     for trial in report["trials"]:  # the loading process and its workers, per sample
         assert trial["cpu_us_per_sample"] > 0 and 0 < trial["first_batch_s"] < 60, trial
@@ -41,23 +42,74 @@ def test_bench_loader_reports_saves_and_make_loader_uses_it(make_dataset, capsys
 
 
 def test_the_search_respects_the_ram_budget(make_dataset, monkeypatch) -> None:
+    """1 GB a worker, 1.6 GB to spend: the climb's start (the core count, 2 here) would not
+    fit, so it moves down to the main process; threads are never skipped."""
     monkeypatch.setattr(tune, "available_memory", lambda: 2 * 10**9)
+    monkeypatch.setattr(tune, "_own_memory", lambda: 10**9)  # the guess before a worker ran
     monkeypatch.setattr(tune, "_worker_rss", lambda: 10**9)  # 1 GB whatever the workers
+    monkeypatch.setattr(tune, "usable_cpus", lambda: 2)
     monkeypatch.setattr(tune, "run_trial", lambda config, trial, seconds: _fake(trial))
     config = tune.BenchConfig(path=make_dataset("lmdb"), max_workers=4)
     trials = tune.search(config)
     skipped = [t for t in trials if t.skipped]
     assert skipped and skipped[0].num_workers == 2 and "GB" in skipped[0].skipped
     processes = [t for t in trials if t.engine == "processes" and not t.skipped]
-    assert all(t.num_workers <= 1 for t in processes)
+    assert [t.num_workers for t in processes] == [0]
     threads = [t.num_workers for t in trials if t.engine == "threads"]
-    assert threads[:4] == [1, 2, 3, 4]  # threads share one process's memory: none skipped
+    assert set(threads) == {1, 2, 3, 4}  # threads share one process's memory: none skipped
+
+
+def test_a_measured_worker_size_replaces_the_guess(make_dataset, monkeypatch) -> None:
+    """The guess (this process's size) lets 2 workers start; measured at 1.5 GB each, 3 and
+    4 would not fit in 4 GB, and the climb stops up the ladder there."""
+    monkeypatch.setattr(tune, "available_memory", lambda: 5 * 10**9)
+    monkeypatch.setattr(tune, "_own_memory", lambda: 10**8)
+    monkeypatch.setattr(tune, "_worker_rss", lambda: 15 * 10**8)
+    monkeypatch.setattr(tune, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(tune, "run_trial", lambda config, trial, seconds: _fake(trial))
+    trials = tune.search(tune.BenchConfig(path=make_dataset("lmdb"), max_workers=4))
+    processes = [(t.num_workers, bool(t.skipped)) for t in trials if t.engine == "processes"]
+    assert processes[:3] == [(2, False), (3, True), (0, False)], processes
+
+
+@pytest.mark.parametrize(
+    ("cores", "peak", "expected"),
+    [(16, 12, [16, 24, 8, 20, 12]), (2, 3, [2, 3, 0, 4]), (48, 96, [48, 72, 32, 96, 84])],
+)
+def test_the_climb_starts_at_the_core_count_and_finds_the_peak(
+    cores: int, peak: int, expected: list[int]
+) -> None:
+    """Rates rise to `peak` workers and fall past it: the climb measures the core count
+    first, its neighbours, moves to the faster, and refines halfway; it ends on the peak
+    (16 cores: 12 lies between ladder rungs 8 and 16 and is found by the refinement, after
+    20 on the faster side)."""
+    order: list[int] = []
+
+    def run(trial: tune.Trial, seconds: float) -> tune.Trial:
+        n = trial.num_workers
+        trial.samples_per_s = 1000.0 if n == 0 else 500.0 * min(n, peak) - 100.0 * max(n - peak, 0)
+        order.append(n)
+        return trial
+
+    counts = tune._worker_counts(2 * cores, cores)
+    ladder = [tune.Trial(n, 2 if n else None, False) for n in counts if n != 1]
+    best = tune._climb(run, ladder, cores, tune._Budget(60.0))
+    assert best.num_workers == peak
+    assert order[: len(expected)] == expected, order
+    assert len(order) <= 6  # a handful of trials, not the ladder
+
+
+def test_the_ladder_doubles_to_the_core_count_then_grows_by_half() -> None:
+    assert tune._worker_counts(4, 2) == [0, 1, 2, 3, 4]
+    assert tune._worker_counts(32, 16) == [0, 1, 2, 4, 8, 16, 24, 32]
+    assert tune._worker_counts(8, 16) == [0, 1, 2, 4, 8]
+    assert tune._worker_counts(1, 2) == [0, 1]
 
 
 def test_the_search_ends_within_its_budget_on_a_machine_with_many_cores(
     make_dataset, monkeypatch
 ) -> None:
-    """48 cores: a ladder of 14 worker counts per engine. Each trial measures for its share
+    """48 cores: a ladder of 10 worker counts per engine. Each trial measures for its share
     of the time left and pays 0.2 s to start; more workers are always faster here, so only
     the budget ends the climb."""
     import time
@@ -78,7 +130,7 @@ def test_the_search_ends_within_its_budget_on_a_machine_with_many_cores(
     elapsed = time.perf_counter() - start
     assert elapsed < 4.0 + 0.7 + 0.5, elapsed  # past the deadline by one trial at most
     assert all(0.5 <= w <= 10.0 for w in windows)
-    assert trials[0].num_workers == 0 and len(trials) < 14  # the ladder was cut short
+    assert trials[0].num_workers == 48 and len(trials) < 14  # the core count first; cut short
     assert {t.engine for t in trials} == {"processes", "threads"}  # each engine its share
 
 

@@ -12,18 +12,20 @@ saves is keyed by exactly that config and found again by the loader that uses it
 2. **Search**: each trial builds `make_loader` with one setting, times its first batch (the
    workers' start-up, which each epoch pays again) and measures samples/s after a warm-up, in
    windows, until two windows agree within 5 % (or the trial's time is up), and the CPU per
-   sample over those windows (this process's threads and its workers). The
-   workers are hill-climbed (0, 1, 2, 3, 4, 6, 8, ... up to ``max_workers``): always up to the
-   core count (one worker is no faster than none, so an early dip means nothing), then
-   until two trials in a row are slower; then the thread engine's thread count the same
-   way (1, 2, 3, ...: `dlpipe.loading.threads`); then ``prefetch_factor`` for the faster of
-   the two, then ``pin_memory`` and GPU decode (``decode="cuda"``: the batch decoded and
-   cropped on the GPU) when a GPU is the target: a handful of trials, not the grid.
+   sample over those windows (this process's threads and its workers). The workers are
+   hill-climbed on a ladder (`_worker_counts`: 0, 2, 4, 8, ... doubling to the core count,
+   the core count, then x1.5 up to ``max_workers``; one worker does the main process's work
+   plus the IPC, so it is left out) from the core count, the likeliest winner, outwards
+   (`_climb`); then the thread engine's thread count the same way (1, 2, 4, ...:
+   `dlpipe.loading.threads`); then ``prefetch_factor`` for the faster of the two, then
+   ``pin_memory`` and GPU decode (``decode="cuda"``: the batch decoded and cropped on the
+   GPU) when a GPU is the target: a handful of trials, not the grid.
    All within ``budget_s`` (`_Budget`): each climb ends early when its share is spent.
    The winner's engine is saved with it, so ``make_loader`` runs what was measured fastest.
-3. **RAM budget**: worker memory (RSS, measured) is scaled to the next worker count; a trial
-   that would not fit in 80 % of the available memory is skipped and says so (threads share
-   the loading process's memory and are never skipped).
+3. **RAM budget**: worker memory (proportional set size, measured; until a trial has
+   measured it, a worker is guessed as large as this process, which it forks from) is scaled
+   to the next worker count; a trial that would not fit in 80 % of the available memory is
+   skipped and says so (threads share the loading process's memory and are never skipped).
 
 What the report says about the figures is `dlpipe.loading.verdicts`.
 """
@@ -31,6 +33,7 @@ What the report says about the figures is `dlpipe.loading.verdicts`.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -294,6 +297,12 @@ def _measure(batches: Iterator[Any], trial: Trial, seconds: float) -> None:
     trial.worker_rss_bytes = max(trial.worker_rss_bytes, _worker_rss())
 
 
+def _own_memory() -> int:
+    """This process's memory (proportional set size): the guess at a worker's until one is
+    measured."""
+    return proportional_set_size([os.getpid()])
+
+
 def _stop_workers(loader: Any) -> None:
     """End a trial's persistent workers now, so they do not slow the next trial down."""
     iterator = getattr(loader, "_iterator", None)
@@ -303,12 +312,19 @@ def _stop_workers(loader: Any) -> None:
     loader._iterator = None
 
 
-def _worker_counts(limit: int) -> list[int]:
-    counts, n = [0, 1, 2, 3, 4], 6
-    while n <= limit:
+def _worker_counts(limit: int, cores: int) -> list[int]:
+    """The ladder: 0, 1, 2, doubling up to the core count, the core count, then x1.5 and
+    `limit` itself (2 cores, limit 4: 0-4; 16 cores, limit 32: 0, 1, 2, 4, 8, 16, 24, 32)."""
+    counts, n = [0, 1, 2], 4
+    while n < cores:
         counts.append(n)
-        n = n * 3 // 2 if n >= 8 else n + 2
-    return [c for c in counts if c <= limit]
+        n *= 2
+    n = max(cores, 3)
+    while n < limit:
+        counts.append(n)
+        n = max(n * 3 // 2, n + 1)
+    counts.append(limit)
+    return sorted({c for c in counts if c <= limit})
 
 
 class _Budget:
@@ -316,7 +332,8 @@ class _Budget:
     trials that may still run, half of it (the other half pays for starting the workers and
     the warm-up), 0.5 to 10 s. Each engine's climb gets the share of the time left that its
     ladder is of the trials left, so both engines are measured; once a share is spent its
-    climb stops, so a machine with many cores (a long ladder) searches within the budget."""
+    climb stops, so a machine with many cores (a long ladder) searches within the budget,
+    having measured the core count first."""
 
     def __init__(self, seconds: float) -> None:
         self.deadline = time.perf_counter() + seconds
@@ -348,15 +365,17 @@ def search(
     trials: list[Trial] = []
     budget = budget or _Budget(config.budget_s)
     memory = available_memory() * _MEMORY_SHARE
-    per_worker = 0.0
+    per_worker: float | None = None  # measured; until then a worker is guessed as large as
+    guess = float(_own_memory())  # this process, which it starts as a fork of
     cores = usable_cpus()
-    counts = _worker_counts(config.worker_limit())
+    counts = _worker_counts(config.worker_limit(), cores)
     gpu = config.device == "cuda" and torch.cuda.is_available()
     last = len(_PREFETCHES) + 2 * gpu  # the trials after the climbs
 
     def run(trial: Trial, seconds: float) -> Trial:
         nonlocal per_worker
-        needed = per_worker * trial.num_workers if trial.engine == "processes" else 0.0
+        each = guess if per_worker is None else per_worker
+        needed = each * trial.num_workers if trial.engine == "processes" else 0.0
         if needed > memory:
             trial.skipped = (
                 f"needs ~{needed / 1e9:.1f} GB of worker memory, {memory / 1e9:.1f} GB fit"
@@ -364,13 +383,15 @@ def search(
         else:
             run_trial(config, trial, seconds)
             if trial.num_workers and trial.engine == "processes":
-                per_worker = max(per_worker, trial.worker_rss_bytes / trial.num_workers)
+                measured = trial.worker_rss_bytes / trial.num_workers
+                per_worker = max(per_worker or 0.0, measured)
         trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
         return trial
 
-    ladder = [Trial(n, 2 if n else None, False) for n in counts]
+    # one worker process does no more than the main process alone, plus the IPC
+    ladder = [Trial(n, 2 if n else None, False) for n in counts if n != 1 or counts == [0, 1]]
     threads = [Trial(n, 2, False, engine="threads") for n in counts if n]
     share = budget.share(len(ladder), len(ladder) + len(threads) + last)
     best = _climb(run, ladder, cores, share)
@@ -398,23 +419,46 @@ def search(
 def _climb(
     run: Callable[[Trial, float], Trial], ladder: list[Trial], cores: int, budget: _Budget
 ) -> Trial:
-    """Run `ladder` (one engine, more workers each step) until, past the core count, two
-    trials in a row are slower than the best, or one is skipped, or `budget` (this climb's
-    share) is spent; the best trial."""
-    best: Trial | None = None
-    worse = 0
-    for rung, trial in enumerate(ladder):
-        if rung and budget.spent():
+    """Hill-climb `ladder` (one engine, its worker counts in order) from the rung nearest the
+    core count, and return the best trial: measure the best rung's unmeasured neighbours (the
+    one above first) and move to the faster, until neither is faster; a start that does not
+    fit in memory moves down until one does. Then refine: a count halfway between the best
+    and each of its measured neighbours (the faster side first), where one lies between them
+    and neither is 0 workers. Each trial but the first checks `budget` (this climb's share)."""
+    measured: dict[int, Trial] = {}  # by rung
+
+    def measure(rung: int) -> Trial:
+        measured[rung] = run(ladder[rung], budget.window(len(ladder) - len(measured)))
+        return measured[rung]
+
+    def rate(rung: int) -> float:
+        return -1.0 if measured[rung].skipped else measured[rung].samples_per_s
+
+    best = min(range(len(ladder)), key=lambda i: (abs(ladder[i].num_workers - cores), -i))
+    while measure(best).skipped:  # fewer workers may fit (the smallest rung always does)
+        best -= 1
+    while True:
+        fresh = [i for i in (best + 1, best - 1) if 0 <= i < len(ladder) and i not in measured]
+        for rung in fresh:
+            if not budget.spent():
+                measure(rung)
+        faster = [i for i in fresh if i in measured and rate(i) > rate(best)]
+        if not faster:
             break
-        run(trial, budget.window(len(ladder) - rung))
-        if trial.skipped:
-            break
-        if best is None or trial.samples_per_s > best.samples_per_s:
-            best, worse = trial, 0
-        elif (worse := worse + 1) >= 2 and trial.num_workers >= cores:
-            break  # past the core count, two worse trials in a row end the climb
-    assert best is not None, "the first rung of a climb is never skipped"
-    return best
+        best = max(faster, key=rate)
+    winner = measured[best]
+    fine = sorted(i for i in measured if not measured[i].skipped)
+    at = fine.index(best)
+    sides = sorted(fine[max(at - 1, 0) : at] + fine[at + 1 : at + 2], key=rate, reverse=True)
+    counts = {t.num_workers for t in measured.values()}
+    for side in sides:
+        middle = (ladder[side].num_workers + ladder[best].num_workers) // 2
+        if budget.spent() or middle in counts or ladder[side].num_workers == 0:
+            continue
+        trial = run(Trial(middle, 2, False, engine=winner.engine), budget.window(1))
+        if not trial.skipped and trial.samples_per_s > winner.samples_per_s:
+            winner = trial
+    return winner
 
 
 def bench_loader(
