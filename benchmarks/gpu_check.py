@@ -13,7 +13,8 @@ the others:
    ``all_reduce`` and a ``broadcast`` give the expected values.
 4. **decode**: the corpus's JPEGs (photo-like, ~100 KB, ~400 x 350 px) decoded in batches of
    256 by ``torchvision.io.decode_jpeg(device="cuda")`` (nvJPEG), images/s, against
-   simplejpeg on one CPU core; and dlpipe's device decoder (decode + crop + resize + flip).
+   simplejpeg on one CPU core; and dlpipe's device decoder (decode + crop + resize + flip),
+   with its crop + resize + flip alone and how busy the host's CPU is meanwhile.
 5. **bench_loader**: the corpus converted to lmdb, then ``dlpipe bench-loader --device cuda``
    on it, as a user runs it before training: the settings and the decode (CPU or GPU) it
    picks by measurement, its verdict, and the profile it saves beside the data.
@@ -163,7 +164,27 @@ def check_decode(files: list[str]) -> dict[str, Any]:
         decoder(batch)
     _sync()
     out["device_decoder_images_per_s"] = len(planned) / (time.perf_counter() - start)
+    out.update(_finish_alone(decoder, [planned for planned, _ in batches[:8]]))
     return out
+
+
+def _finish_alone(decoder: Any, batches: list[Any]) -> dict[str, Any]:
+    """The device decoder's crop + resize + flip alone, on batches decoded beforehand:
+    images/s, and the share of that time the host's CPU was busy (near 1: the kernels'
+    launches, one image at a time, bound it, not the GPU)."""
+    decoded = [(decoder.decode(planned), planned.plans) for planned in batches]
+    decoder.finish(*decoded[0])
+    _sync()
+    start, cpu = time.perf_counter(), time.process_time()
+    for images, plans in decoded:
+        decoder.finish(images, plans)
+    _sync()
+    seconds = time.perf_counter() - start
+    count = sum(len(images) for images, _ in decoded)
+    return {
+        "finish_images_per_s": count / seconds,
+        "finish_host_cpu_share": (time.process_time() - cpu) / seconds,
+    }
 
 
 def _train(data: str, decode: str, work: str) -> dict[str, Any]:
@@ -269,6 +290,8 @@ SUMMARY = [  # (what, path in checks, format)
         "decode.device_decoder_images_per_s",
         "{:,.0f}",
     ),
+    ("... its crop + resize + flip alone: images/s", "decode.finish_images_per_s", "{:,.0f}"),
+    ("... host CPU busy during it", "decode.finish_host_cpu_share", "{:.0%}"),
     ("simplejpeg, one CPU core: images/s", "decode.simplejpeg_images_per_s_one_core", "{:,.0f}"),
     *[
         row
