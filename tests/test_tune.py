@@ -280,3 +280,25 @@ def _spin(seconds: float, spun, leave) -> None:
         pass
     spun.set()
     leave.wait(60)  # alive until measured: a child is counted while it runs
+
+
+@pytest.mark.parametrize(("engine", "warmed"), [("processes", 17), ("threads", 2)])
+def test_a_trial_warms_up_every_worker_process_but_threads_in_one_batch(
+    engine: str, warmed: int, monkeypatch
+) -> None:
+    """16 worker processes each make their first batch before the windows (17 batches);
+    16 threads share every batch, so 2 warm them (17 batches of 256 at a GIL-bound 450
+    samples/s cost 10 s a trial on 16 cores)."""
+    import torch
+
+    drawn: list[int] = []
+
+    def batches():
+        while True:
+            drawn.append(1)
+            yield torch.zeros(4, 1), torch.zeros(4)
+
+    seen: list[int] = []
+    monkeypatch.setattr(tune, "_worker_rss", lambda: seen.append(len(drawn)) or 0)
+    tune._measure(batches(), tune.Trial(16, 2, False, engine=engine), 0.05)
+    assert seen[0] == warmed
