@@ -129,11 +129,17 @@ def test_a_custom_transform_runs_on_the_threads(make_dataset) -> None:
     assert any(name.startswith("dlpipe-loader") for name in seen)
 
 
-def test_loader_threads_run_torch_ops_on_one_thread_and_the_caller_keeps_its_own(
-    make_dataset,
+MAIN = dlpipe.WorkerSettings(num_workers=0)
+
+
+@pytest.mark.parametrize(("workers", "fmt"), [(THREADS, "lmdb"), (MAIN, "lmdb"), (MAIN, "wds")])
+def test_loading_threads_run_torch_ops_on_one_thread_and_the_caller_keeps_its_own(
+    workers, fmt, make_dataset
 ) -> None:
     """As in a DataLoader worker process, a loader thread's torch ops do not start a team of
-    their own (threads x cores on the cores); the trainer's thread count is untouched."""
+    their own (threads x cores on the cores), and neither does the main process when it
+    loads (0 workers: a second core burnt for the same samples/s); the trainer's thread
+    count is untouched, between batches as after them."""
     counts: set[int] = set()
 
     def label_only(sample):
@@ -143,10 +149,10 @@ def test_loader_threads_run_torch_ops_on_one_thread_and_the_caller_keeps_its_own
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, transform=label_only,
-                                    workers=THREADS)  # fmt: skip
-        assert sum(len(batch) for batch in loader) > 0
-        assert counts == {1} and torch.get_num_threads() == 2
+        loader = dlpipe.make_loader(make_dataset(fmt), batch_size=4, transform=label_only,
+                                    workers=workers)  # fmt: skip
+        between = {torch.get_num_threads() for batch in loader}
+        assert counts == {1} and between == {2} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
