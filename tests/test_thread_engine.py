@@ -134,17 +134,27 @@ MAIN = dlpipe.WorkerSettings(num_workers=0)
 
 @pytest.mark.parametrize(("workers", "fmt"), [(THREADS, "lmdb"), (MAIN, "lmdb"), (MAIN, "wds")])
 def test_loading_threads_run_torch_ops_on_one_thread_and_the_caller_keeps_its_own(
-    workers, fmt, make_dataset
+    workers, fmt, make_dataset, monkeypatch
 ) -> None:
     """As in a DataLoader worker process, a loader thread's torch ops do not start a team of
-    their own (threads x cores on the cores), and neither does the main process when it
-    loads (0 workers: a second core burnt for the same samples/s); the trainer's thread
-    count is untouched, between batches as after them."""
+    their own (threads x cores on the cores), and neither does the caller's thread where the
+    loader works in it (0 workers: everything; the thread engine: the collate), whose team
+    spun against the loading threads; the trainer's thread count is untouched, between
+    batches as after them."""
+    from dlpipe.loading import stages
+
     counts: set[int] = set()
 
     def label_only(sample):
         counts.add(torch.get_num_threads())
         return int(sample["cls"])
+
+    def recorded(items):
+        counts.add(torch.get_num_threads())
+        return real(items)
+
+    real = stages.collate
+    monkeypatch.setattr(stages, "collate", recorded)
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

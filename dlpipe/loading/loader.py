@@ -188,15 +188,12 @@ class PreparedLoader(torch.utils.data.DataLoader):
             self.order.take()  # the workers took the pass with them
         self._pass, self._inner = progress, inner
         threads = self._stages.threads
-        if threads is not None:
-            source = threads.batches(inner)
-        else:
-            source = inner if self.num_workers else _on_one_torch_thread(inner)
+        source = inner if threads is None else threads.batches(inner)
         # (batch, the shard runs it holds): a stream's cursors move when the caller gets it
         batches = self._merged(source) if self._stream else ((b, []) for b in source)
         if self._stages.device is not None:
             batches = self._stages.device.batches(batches)
-        return self._counted(batches, progress, self._generation)
+        return self._counted(_on_one_torch_thread(batches), progress, self._generation)
 
     def _counted(
         self, batches: Iterator[tuple[Any, list[tuple[int, int]]]], progress: _Pass, generation: int
@@ -446,9 +443,12 @@ def make_loader(
 def _on_one_torch_thread(batches: Iterator[Any]) -> Iterator[Any]:
     """`batches`, each made with the calling thread's torch ops on one thread (as in a
     DataLoader worker), its own thread count back in place before each batch is handed over.
-    Loading in the main process with torch's default intra-op threads kept the same samples/s
-    and burnt a second core (2 cores: 827 samples/s either way, 811 against 418 samples per
-    CPU-second); OpenMP and MKL keep the count per thread, so no other thread is touched."""
+    What a loader does in the caller's thread (0 workers: everything; the thread engine: the
+    reads and the collate; worker processes: receiving) ran there on torch's default intra-op
+    threads, whose team then spun against the loading threads. Measured on 2 cores, alternating:
+    0 workers kept its 827 samples/s at 811 samples per CPU-second instead of 418; the thread
+    engine with 2 threads went from 990-1,041 to 1,273-1,360 samples/s. OpenMP and MKL keep
+    the count per thread, so no other thread is touched."""
     while True:
         caller = torch.get_num_threads()
         torch.set_num_threads(1)
