@@ -84,6 +84,7 @@ from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 
 from dlpipe.loading.jpeg_region import region_library
+from dlpipe.loading.threads import one_torch_thread
 from dlpipe.machine import cpu_seconds, proportional_set_size, usable_cpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -260,15 +261,11 @@ PARTIAL_DECODES = frozenset(  # candidates that decode less than the whole image
 def one_core_rate(fn: Callable[[bytes], torch.Tensor], blobs: list[bytes]) -> float:
     """One pass of a decode candidate over `blobs` with ``torch.set_num_threads(1)``: its
     samples per CPU-second on one core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         start = time.process_time()
         for data in blobs:
             fn(data)
         return len(blobs) / (time.process_time() - start)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def time_decoders(files: list[str], repeats: int) -> list[dict[str, Any]]:

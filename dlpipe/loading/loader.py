@@ -57,6 +57,7 @@ from dlpipe.loading.order import EpochSampler, StreamOrder
 from dlpipe.loading.profile import LoaderProfile, select_profile
 from dlpipe.loading.stages import Stages, make_stages
 from dlpipe.loading.state import require_equal, require_fields
+from dlpipe.loading.threads import one_torch_thread
 from dlpipe.loading.transforms import ImageTransform, image_field
 from dlpipe.loading.views import MapView, Piece, StreamView, shard_runs, unpack_rows
 from dlpipe.processes import stop_signals_blocked
@@ -450,12 +451,9 @@ def _on_one_torch_thread(batches: Iterator[Any]) -> Iterator[Any]:
     engine with 2 threads went from 990-1,041 to 1,273-1,360 samples/s. OpenMP and MKL keep
     the count per thread, so no other thread is touched."""
     while True:
-        caller = torch.get_num_threads()
-        torch.set_num_threads(1)
         try:
-            batch = next(batches)
+            with one_torch_thread():
+                batch = next(batches)
         except StopIteration:
             return
-        finally:
-            torch.set_num_threads(caller)
         yield batch

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +28,14 @@ from torch.utils.data._utils.pin_memory import pin_memory
 from dlpipe.loading.views import Piece, apply_transform, collate
 from dlpipe.sample import Sample
 
-__all__ = ["Deferred", "PendingBatch", "ThreadEngine", "ahead", "collate_pending"]
+__all__ = [
+    "Deferred",
+    "PendingBatch",
+    "ThreadEngine",
+    "ahead",
+    "collate_pending",
+    "one_torch_thread",
+]
 
 
 class ThreadEngine:
@@ -69,6 +77,19 @@ def _one_torch_thread() -> None:
     gave 5 % more samples per CPU-second without the teams, within this machine's noise).
     OpenMP keeps the thread count per thread, so the caller's own torch ops keep theirs."""
     torch.set_num_threads(1)
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The calling thread's torch ops on one thread for the block, its own count back after
+    (also when the block raises): what the loader's share of each batch in the caller's
+    thread, the tuner's stage table and one-core benchmark passes run under."""
+    caller = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)
 
 
 class Deferred:

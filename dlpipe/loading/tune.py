@@ -47,6 +47,7 @@ from dlpipe.errors import SplitTooSmallError
 from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
 from dlpipe.loading.dataset import open_dataset
 from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
+from dlpipe.loading.threads import one_torch_thread
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
 from dlpipe.loading.verdicts import decode_verdict, verdict
 from dlpipe.loading.views import collate as collate_batch
@@ -198,9 +199,30 @@ def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
     samples, read_s = _clock(iter(dataset), seconds, minimum=batch_size)
     field_name = image_field(list(dataset.manifest.fields))
     nbytes = sum(len(s[field_name]) for s in samples)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # what a DataLoader worker gets
     datas = [bytes(s[field_name]) for s in samples]
+    with one_torch_thread():  # what a DataLoader worker gets
+        decode_s, transform_s, collate_s = _time_stages(transform, datas, batch_size)
+    dataset.close()
+    cumulative, rates = 0.0, []
+    for step in (read_s, decode_s, transform_s, collate_s):
+        cumulative += step
+        rates.append(len(samples) / max(cumulative, 1e-9))
+    read, decode, transform_rate, collate = rates
+    return StageRates(
+        read=read,
+        decode=decode,
+        transform=transform_rate,
+        collate=collate,
+        read_mb_per_s=nbytes / 1e6 / max(read_s, 1e-9),
+        crop_decode=transform.recipe == "train" and transform.decode == "crop",
+    )
+
+
+def _time_stages(
+    transform: ImageTransform, datas: list[bytes], batch_size: int
+) -> tuple[float, float, float]:
+    """Seconds to decode `datas`, transform the images and collate them in batches, each
+    stage on the last one's output."""
     if transform.recipe == "train":  # the loader's own decode (DCT-scaled to the box), then crop
         generators = [transform.generator(0, i) for i in range(len(datas))]
         start = time.perf_counter()
@@ -220,22 +242,7 @@ def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
     start = time.perf_counter()
     for i in range(0, len(crops) - batch_size + 1, batch_size):
         collate_batch(crops[i : i + batch_size])
-    collate_s = time.perf_counter() - start
-    dataset.close()
-    torch.set_num_threads(threads)
-    cumulative, rates = 0.0, []
-    for step in (read_s, decode_s, transform_s, collate_s):
-        cumulative += step
-        rates.append(len(samples) / max(cumulative, 1e-9))
-    read, decode, transform_rate, collate = rates
-    return StageRates(
-        read=read,
-        decode=decode,
-        transform=transform_rate,
-        collate=collate,
-        read_mb_per_s=nbytes / 1e6 / max(read_s, 1e-9),
-        crop_decode=transform.recipe == "train" and transform.decode == "crop",
-    )
+    return decode_s, transform_s, time.perf_counter() - start
 
 
 def _worker_rss() -> int:
@@ -372,7 +379,8 @@ def search(
     per_worker: float | None = None  # measured; until then a worker is guessed as large as
     guess = float(_own_memory())  # this process, which it starts as a fork of
     cores = usable_cpus()
-    counts = _worker_counts(config.worker_limit(), cores)
+    limit = config.worker_limit()
+    counts = _worker_counts(limit, cores)
     gpu = config.device == "cuda" and torch.cuda.is_available()
     last = len(_PREFETCHES) + 2 * gpu  # the trials after the climbs
 
@@ -394,8 +402,9 @@ def search(
             on_trial(trial)
         return trial
 
-    # one worker process does no more than the main process alone, plus the IPC
-    ladder = [Trial(n, 2 if n else None, False) for n in counts if n != 1 or counts == [0, 1]]
+    # one worker process does no more than the main process alone, plus the IPC: left out
+    # unless it is the most workers allowed
+    ladder = [Trial(n, 2 if n else None, False) for n in counts if n != 1 or limit == 1]
     threads = [Trial(n, 2, False, engine="threads") for n in counts if n]
     share = budget.share(len(ladder), len(ladder) + len(threads) + last)
     best = _climb(run, ladder, cores, share)
