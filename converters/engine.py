@@ -119,7 +119,10 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     scan = _with_classes(scan)
     images = config.images
     image = ImagePolicy(
-        field=image_field_for(scan), max_side=images.max_side, quality=images.quality
+        field=image_field_for(scan),
+        max_side=images.max_side,
+        quality=images.quality,
+        seekable=images.seekable_jpeg,
     )
     recorded = config.output_options(image.field, source.kind)
     plan = make_plan(

@@ -4,7 +4,9 @@ Every image is decoded once: that is the integrity check (truncated, zero-byte a
 files fail here). A JPEG that is kept as it is is decoded in Pillow's reduced-scale draft
 mode, which still reads and entropy-decodes all of its compressed data, at a fraction of the
 cost of a full decode. An image is re-encoded only when asked (``--max-side``), or when its
-type differs from the dataset's image field (a PNG in a JPEG dataset). Before any of that, the
+type differs from the dataset's image field (a PNG in a JPEG dataset). With ``--seekable-jpeg``
+a stored JPEG gets a restart marker per MCU (`dlpipe.jpeg_seek`: lossless, the same pixels),
+so that train crops entropy-decode only their box. Before any of that, the
 header's width x height is held to the pixel limit (`dlpipe.codecs.check_image_pixels`): a
 decompression bomb is one skipped sample naming its size, not a conversion out of memory.
 Reasons are stable text (no memory addresses), so ``errors.jsonl`` is the same run to run.
@@ -20,6 +22,7 @@ from PIL import Image
 
 from dlpipe.codecs import ImageTooLargeError, max_image_pixels, open_image, stable_message
 from dlpipe.converters.source import SampleError
+from dlpipe.jpeg_seek import add_restart_markers
 
 __all__ = ["ImagePolicy", "prepare_image"]
 
@@ -30,11 +33,13 @@ _JPEG_MODES = frozenset({"RGB", "L", "CMYK"})
 
 @dataclass(frozen=True, kw_only=True)
 class ImagePolicy:
-    """How images are stored: the dataset's image field, an optional size cap, the quality."""
+    """How images are stored: the dataset's image field, an optional size cap, the quality,
+    whether JPEGs get a restart marker per MCU (`dlpipe.jpeg_seek`)."""
 
     field: str = "jpg"
     max_side: int | None = None
     quality: int = 95
+    seekable: bool = False
 
     def __post_init__(self) -> None:
         if self.field not in _PIL_FORMAT:
@@ -64,13 +69,21 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> tuple[bytes,
                 if kind == "jpg":
                     image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
                 image.load()
-                return data, False
+                return _seekable(data, policy), False
             image.load()
     except ImageTooLargeError as exc:
         raise SampleError(f"{origin}: {exc}") from None
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
         raise SampleError(f"{origin}: not a readable image ({stable_message(exc)})") from exc
-    return _encode(_resized(image, policy.max_side), policy), True
+    return _seekable(_encode(_resized(image, policy.max_side), policy), policy), True
+
+
+def _seekable(data: bytes, policy: ImagePolicy) -> bytes:
+    """A JPEG with a restart marker per MCU when asked; a JPEG the rewrite does not take
+    (CMYK, 12-bit, arithmetic-coded, over `dlpipe.jpeg_seek.MAX_TILES` MCUs) as it is."""
+    if not policy.seekable or policy.field != "jpg":
+        return data
+    return add_restart_markers(data) or data
 
 
 def _resized(image: Image.Image, max_side: int | None) -> Image.Image:

@@ -17,7 +17,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from dlpipe import storage
+from dlpipe import storage, turbojpeg
 from dlpipe.machine import usable_cpus
 
 __all__ = ["Check", "GpuInfo", "Probe", "print_checks", "run_checks", "to_json"]
@@ -117,9 +117,7 @@ class Probe:
 
     def jpeg_region_library(self) -> str | None:
         """The file of the libjpeg-turbo 3 library train crops decode regions with, or None."""
-        from dlpipe.loading.jpeg_region import region_library
-
-        library = region_library()
+        library = turbojpeg.region_library()
         return None if library is None else str(getattr(library, "_name", "libturbojpeg"))
 
     def rotational(self, path: str) -> bool | None:
@@ -309,14 +307,12 @@ def _open_files(probe: Probe) -> Check:
 
 
 def _jpeg_decode(probe: Probe) -> Check:
-    from dlpipe.loading.jpeg_region import INSTALL_HINT
-
     library = probe.jpeg_region_library()
     if library is not None:
         name = os.path.basename(library)
         return Check("jpeg decode", "ok", f"train crops decode only the box's region ({name})")
     detail = "train crops decode whole JPEGs: no libjpeg-turbo 3 with a cropping region here"
-    return Check("jpeg decode", "info", detail, INSTALL_HINT)
+    return Check("jpeg decode", "info", detail, turbojpeg.INSTALL_HINT)
 
 
 def _data_disk(probe: Probe) -> list[Check]:

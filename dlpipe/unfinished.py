@@ -54,6 +54,7 @@ CONVERT_OPTION_FLAGS = {
     "shard_bytes": "--shard-size",
     "max_side": "--max-side",
     "quality": "--quality",
+    "seekable_jpeg": "--seekable-jpeg",
     "val_fraction": "--val-fraction",
     "seed": "--seed",
     "on_error": "--on-error",
@@ -65,7 +66,7 @@ CONVERT_OPTION_FLAGS = {
 commands repeat, and the only ones a resume hint read from a journal may hold. The converters'
 `ConvertConfig` takes these options' flags from here (a test checks both name the same
 options); the core never imports the converters, so the list lives on this side."""
-_SWITCHES = frozenset({"--keep-empty-classes"})  # flags without a value
+_SWITCHES = frozenset({"--keep-empty-classes", "--seekable-jpeg"})  # flags without a value
 _RESUME_FLAGS = {flag: int(flag not in _SWITCHES) for flag in CONVERT_OPTION_FLAGS.values()}
 
 

@@ -19,6 +19,7 @@ from torchvision import transforms as T
 from torchvision.transforms import v2
 
 import dlpipe
+from dlpipe import turbojpeg
 from dlpipe.codecs import ImageTooLargeError
 from dlpipe.loading import jpeg_region
 from dlpipe.loading import transforms as transforms_module
@@ -142,7 +143,7 @@ def jpeg_decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     """The test once with the region decoder (a TurboJPEG 3 library, the ``jpeg-region``
     extra) and once without it (simplejpeg decodes the whole image at the DCT scale)."""
     if request.param == "whole":
-        monkeypatch.setattr(jpeg_region, "_library", [None])
+        monkeypatch.setattr(turbojpeg, "_library", [None])
     elif jpeg_region.region_library() is None:
         pytest.skip("no TurboJPEG 3 library here: pip install 'dlpipe[jpeg-region]'")
     return str(request.param)
@@ -285,7 +286,7 @@ def test_without_simplejpeg_or_turbojpeg_3_the_crop_comes_from_the_full_decode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(transforms_module, "simplejpeg", None)
-    monkeypatch.setattr(jpeg_region, "_library", [None])
+    monkeypatch.setattr(turbojpeg, "_library", [None])
     for index in range(6):
         crop, full = both(photo(512, 512, index), 32, index)
         assert torch.equal(crop, full)

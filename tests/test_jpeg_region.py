@@ -18,7 +18,7 @@ import simplejpeg
 from PIL import Image
 from test_crop_decode import photo
 
-from dlpipe.loading import jpeg_region
+from dlpipe import turbojpeg
 from dlpipe.loading.jpeg_region import REGION_ENV, decode_jpeg_region, region_library
 
 needs_library = pytest.mark.skipif(
@@ -141,7 +141,7 @@ def test_the_pip_extra_provides_the_library() -> None:
 
 
 def test_no_library_means_no_region(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jpeg_region, "_library", [None])
+    monkeypatch.setattr(turbojpeg, "_library", [None])
     assert decode_jpeg_region(photo(64, 48), (64, 48), 1, (0, 0, 8, 8)) is None
 
 

@@ -23,11 +23,8 @@ CORE = sorted(PACKAGE.glob("*.py")) + sorted((PACKAGE / "formats").glob("*.py"))
 LOADING = sorted((PACKAGE / "loading").glob("*.py"))
 WIRING = {"cli.py", "demo.py"}  # may import any room, inside functions only
 # a subcommand's handler module, which only cli.py imports (inside a function): CLI wiring,
-# allowed into what it names (doctor: only the fact of which JPEG decoder the loader uses)
-HANDLERS = {
-    "tune_command.py": ("dlpipe.loading",),
-    "doctor.py": ("dlpipe.loading.jpeg_region",),
-}
+# allowed into what it names
+HANDLERS = {"tune_command.py": ("dlpipe.loading",)}
 ROOMS = ("dlpipe.converters", "dlpipe.train", "dlpipe.loading")
 
 

@@ -8,8 +8,9 @@ import os
 import pytest
 
 import dlpipe
+from dlpipe import turbojpeg
 from dlpipe.cli import main
-from dlpipe.loading import jpeg_region, tune, verdicts
+from dlpipe.loading import tune, verdicts
 
 # a budget for every trial of both engines (2 + 2 rungs, 2 prefetch) at the shortest window
 QUICK = ["--budget", "8", "--max-workers", "2", "--batch-size", "8", "--image-size", "32"]
@@ -179,7 +180,7 @@ def test_verdict_names_the_stage_that_costs_most() -> None:
 def test_a_decode_bound_train_loader_without_region_decode_is_told_how_to_get_it(
     installed: bool, crop_decode: bool, advised: bool, monkeypatch
 ) -> None:
-    monkeypatch.setattr(jpeg_region, "_library", [object() if installed else None])
+    monkeypatch.setattr(turbojpeg, "_library", [object() if installed else None])
     stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440,
                              read_mb_per_s=900, crop_decode=crop_decode)  # fmt: skip
     _, advice = verdicts.verdict(stages, tune.Trial(2, 2, False, samples_per_s=800), 2, 224)

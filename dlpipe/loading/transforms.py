@@ -18,7 +18,10 @@ least ``image_size`` on both sides, the box is mapped into the scaled image (lib
 pixel i covers full pixels [i*k, (i+1)*k)), cropped and resized (bilinear, antialiased) and
 flipped. Where a TurboJPEG 3 library is installed (``pip install 'dlpipe[jpeg-region]'``) only
 the box's region is decoded (`dlpipe.loading.jpeg_region`, the pixels of the whole decode);
-otherwise simplejpeg (libjpeg-turbo) decodes the whole image at that scale. The pixels differ
+otherwise simplejpeg (libjpeg-turbo) decodes the whole image at that scale. A seekable JPEG
+(``dlpipe convert --seekable-jpeg``: a restart marker per MCU) is first cut, undecoded, to the
+MCUs around the box (`dlpipe.jpeg_seek`), so its entropy decoding shrinks with the box too,
+and simplejpeg decodes that window whole: the same pixels again. The pixels differ
 from the full-decode path's by interpolation error only. CMYK/YCCK JPEGs, other image kinds,
 or neither decoder: the box is cropped from today's full decode. EXIF orientation is ignored
 on both paths (as ``decode_image`` does by default). ``decode="full"`` keeps the old path whole.
@@ -49,6 +52,7 @@ from dlpipe.codecs import (
     stable_message,
 )
 from dlpipe.errors import FieldDecodeError
+from dlpipe.jpeg_seek import restart_layout, seek_window
 from dlpipe.loading.jpeg_region import decode_jpeg_region
 from dlpipe.sample import KEY_FIELD, Sample
 
@@ -183,15 +187,26 @@ def decode_jpeg_box(
     gave `size` (width, height). None: not such a JPEG, or no decoder here takes it."""
     width, height = size
     scaled = _scaled_box(box, factor, -(-height // factor), -(-width // factor))
-    region = decode_jpeg_region(data, size, factor, scaled) if data[:2] == b"\xff\xd8" else None
-    if region is not None:
-        array, top, left = region
-        image = torch.from_numpy(array).permute(2, 0, 1)
-        return image, scaled._replace(top=scaled.top - top, left=scaled.left - left)
-    whole = decode_jpeg_scaled(data, factor)
-    if whole is None:
+    if data[:2] != b"\xff\xd8":
         return None
-    return whole, _scaled_box(box, factor, whole.shape[-2], whole.shape[-1])
+    layout = restart_layout(data)
+    window = None if layout is None else seek_window(data, layout, _full(scaled, factor), factor)
+    if window is not None:  # a seekable JPEG: only the MCUs around the box, cut undecoded,
+        data, _, top, left = window  # decoded whole (simplejpeg's libjpeg-turbo is the faster)
+        scaled = scaled._replace(top=scaled.top - top // factor, left=scaled.left - left // factor)
+    else:
+        region = decode_jpeg_region(data, size, factor, scaled)
+        if region is not None:
+            array, top, left = region
+            image = torch.from_numpy(array).permute(2, 0, 1)
+            return image, scaled._replace(top=scaled.top - top, left=scaled.left - left)
+    whole = decode_jpeg_scaled(data, factor)
+    return None if whole is None else (whole, scaled)
+
+
+def _full(box: CropBox, factor: int) -> CropBox:
+    """The full-size pixels a box at DCT scale 1/`factor` covers."""
+    return CropBox(box.top * factor, box.left * factor, box.height * factor, box.width * factor)
 
 
 def sample_label(sample: Sample) -> int:

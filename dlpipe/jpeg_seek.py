@@ -1,0 +1,301 @@
+"""Seekable JPEGs: a restart marker after every MCU, so a crop entropy-decodes only its box.
+
+A JPEG's entropy-coded data has no random access: each block's DC coefficient is coded as the
+difference from the previous block's, and the Huffman codes are not byte-aligned. So even a
+region-of-interest decoder (`dlpipe.loading.jpeg_region`, DALI, FFCV) Huffman-decodes every MCU
+above the region's last row; on ImageNet-sized photos that entropy decoding is three quarters
+of a whole decode's CPU. A restart marker (RSTn) resets the DC predictors and byte-aligns the
+data, so with one after every MCU each MCU can be found (a scan for the markers) and decoded
+alone. Two halves:
+
+- `add_restart_markers` (``dlpipe convert --seekable-jpeg``) rewrites a JPEG losslessly with a
+  restart interval of one MCU: libjpeg-turbo's lossless crop (``tj3Transform``, the
+  coefficients copied, never re-quantised) cuts the image into one-MCU tiles in one call, and
+  their entropy-coded data is joined with RST markers under the original's header. The pixels
+  any decoder gives are the original's, bit for bit; the file grows by about 2 % (markers,
+  byte alignment, DC restarts); progressive JPEGs become sequential ones.
+- `seek_window` cuts, from any JPEG whose restart intervals tile its MCU rows (the ones above,
+  and cameras that write a marker per row or per block), a smaller valid JPEG holding only the
+  MCUs around a box: its data is the original's bytes for those intervals, renumbered. Decoded,
+  it gives the original's pixels for the box exactly: one more MCU is kept on a side only where
+  the box comes within the chroma upsampler's reach (2 pixels at the decoded scale) of the cut.
+
+Untrusted input: the layout comes from the file's own header and markers and is checked whole
+(one frame, one scan, the marker count and their order); a window's bytes are the file's own,
+so a lying file decodes into garbage or a refusal, exactly as it would whole.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from dlpipe import turbojpeg as tj
+
+__all__ = ["MAX_TILES", "RestartLayout", "add_restart_markers", "restart_layout", "seek_window"]
+
+MAX_TILES = 32_000  # MCUs (the index fits one segment): a bigger JPEG (over 8 MP at 4:2:0) stays
+_SEQUENTIAL_HUFFMAN = (0xC0, 0xC1)  # baseline and extended sequential, Huffman-coded
+_OTHER_FRAMES = frozenset(range(0xC2, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_CROP, _COPYNONE = 4, 64  # TJXOPT_CROP, TJXOPT_COPYNONE
+_INDEX_ID = b"dlpipe restart intervals\0"  # APP15: then each interval's length, uint16 LE
+
+
+@dataclass(frozen=True)
+class RestartLayout:
+    """Where each restart interval of a sequential JPEG lies.
+
+    Attributes:
+        width, height: the image's size in pixels.
+        mcu: an MCU's (width, height) in pixels.
+        columns, rows: the MCU grid.
+        frame: the offset of the frame header (SOF) segment.
+        scan: the offset of the first entropy-coded byte (after the SOS segment).
+        starts, ends: each interval's first byte and one past its last (before the next
+            marker), MCU by MCU in raster order; int64 arrays of rows * columns.
+    """
+
+    width: int
+    height: int
+    mcu: tuple[int, int]
+    columns: int
+    rows: int
+    frame: int
+    scan: int
+    starts: np.ndarray
+    ends: np.ndarray
+
+
+def _segments(data: bytes) -> tuple[list[tuple[int, int, int]], int] | None:
+    """The header's (marker, offset, end) segments up to and including the first SOS, and
+    the offset after it; None for anything malformed."""
+    segments, i, size = [], 2, len(data)
+    if not data.startswith(b"\xff\xd8"):
+        return None
+    while i + 4 <= size:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0x01, 0xD9) or 0xD0 <= marker <= 0xD8:
+            return None  # no standalone markers belong in a header here
+        end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        if end > size or end < i + 4:
+            return None
+        segments.append((marker, i, end))
+        if marker == 0xDA:
+            return segments, end
+        i = end
+    return None
+
+
+def restart_layout(data: bytes) -> RestartLayout | None:
+    """Where the restart intervals of a seekable JPEG (`add_restart_markers`' output: a
+    sequential, Huffman-coded, single-scan JPEG with one interval per MCU and their lengths
+    in an APP15 segment) lie, or None for any other JPEG or a malformed one."""
+    parsed = _segments(data)
+    if parsed is None:
+        return None
+    segments, scan = parsed
+    frames = [s for s in segments if s[0] in _SEQUENTIAL_HUFFMAN or s[0] in _OTHER_FRAMES]
+    index = [s for s in segments if s[0] == 0xEF and data[s[1] + 4 : s[2]].startswith(_INDEX_ID)]
+    restarts = [data[s[1] + 4 : s[2]] for s in segments if s[0] == 0xDD]
+    if (
+        len(frames) != 1
+        or frames[0][0] not in _SEQUENTIAL_HUFFMAN
+        or len(index) != 1
+        or restarts != [b"\x00\x01"]
+    ):
+        return None
+    frame = frames[0][1]
+    height, width = struct.unpack(">HH", data[frame + 5 : frame + 9])
+    count = data[frame + 9]
+    sampling = data[frame + 10 : frame + 10 + 3 * count][1::3]
+    if (
+        data[frame + 4] != 8  # 8-bit samples only
+        or count not in (1, 3)
+        or len(sampling) != count
+        or data[segments[-1][1] + 4] != count  # the one scan holds every component
+        or not width
+        or not height
+    ):
+        return None
+    if count == 1:
+        mcu = (8, 8)  # one component: a non-interleaved scan of 8x8 blocks
+    else:
+        h_max, v_max = max(s >> 4 for s in sampling), max(s & 15 for s in sampling)
+        if not 1 <= h_max <= 4 or not 1 <= v_max <= 4:
+            return None
+        mcu = (8 * h_max, 8 * v_max)
+    columns, rows = -(-width // mcu[0]), -(-height // mcu[1])
+    start = index[0][1] + 4 + len(_INDEX_ID)
+    lengths = np.frombuffer(data[start : index[0][2]], "<u2").astype(np.int64)
+    if len(lengths) != columns * rows:
+        return None
+    ends = scan + np.cumsum(lengths + 2) - 2
+    starts = ends - lengths
+    if ends[-1] + 2 > len(data) or data[ends[-1] : ends[-1] + 2] != b"\xff\xd9":
+        return None
+    body = np.frombuffer(data, np.uint8)
+    numbers = 0xD0 + np.arange(len(ends) - 1) % 8
+    if not ((body[ends[:-1]] == 0xFF) & (body[ends[:-1] + 1] == numbers)).all():
+        return None  # the lengths do not land on the restart markers
+    return RestartLayout(width, height, mcu, columns, rows, frame, scan, starts, ends)
+
+
+def seek_window(
+    data: bytes, layout: RestartLayout, box: tuple[int, int, int, int], factor: int = 1
+) -> tuple[bytes, tuple[int, int], int, int] | None:
+    """A valid JPEG of only the MCUs that `box` needs, cut from `data` without decoding.
+
+    Args:
+        data: a JPEG and its `restart_layout`.
+        box: (top, left, height, width) in full-size pixels, inside the image.
+        factor: the DCT scale the window will be decoded at (1, 2, 4 or 8): the margin kept
+            for the chroma upsampler is 2 pixels at that scale.
+
+    Returns:
+        (window bytes, its (width, height), its top row, its left column in the image), or
+        None when the window would be the whole image.
+    """
+    top, left, height, width = box
+    mcu_w, mcu_h = layout.mcu
+    reach = 2 * factor
+    r0, c0 = top // mcu_h, left // mcu_w
+    r1 = min(-(-(top + height) // mcu_h), layout.rows)
+    c1 = min(-(-(left + width) // mcu_w), layout.columns)
+    r0 -= int(r0 > 0 and top - r0 * mcu_h < reach)
+    c0 -= int(c0 > 0 and left - c0 * mcu_w < reach)
+    r1 += int(r1 < layout.rows and r1 * mcu_h - top - height < reach)
+    c1 += int(c1 < layout.columns and c1 * mcu_w - left - width < reach)
+    if r1 - r0 == layout.rows and c1 - c0 == layout.columns:
+        return None
+    index = np.arange(r0, r1)[:, None] * layout.columns + np.arange(c0, c1)[None, :]
+    first, last = layout.starts[index[:, 0]], layout.ends[index[:, -1]]
+    header = bytearray(data[: layout.scan])
+    size = (min(c1 * mcu_w, layout.width) - c0 * mcu_w, min(r1 * mcu_h, layout.height) - r0 * mcu_h)
+    header[layout.frame + 5 : layout.frame + 9] = struct.pack(">HH", size[1], size[0])
+    body = b"\xff\xd0".join(data[a:b] for a, b in zip(first.tolist(), last.tolist(), strict=True))
+    out = np.frombuffer(bytearray(header + body + b"\xff\xd9"), np.uint8)
+    row_base = np.zeros(len(first), np.int64)
+    row_base[1:] = np.cumsum(last[:-1] - first[:-1] + 2)
+    begins = (layout.scan + row_base[:, None] + layout.starts[index] - first[:, None]).ravel()
+    out[begins[1:] - 1] = 0xD0 + np.arange(len(begins) - 1) % 8  # RST0..7 in the new order
+    return out.tobytes(), size, r0 * mcu_h, c0 * mcu_w
+
+
+def add_restart_markers(data: bytes) -> bytes | None:
+    """`data` rewritten losslessly with a restart marker after every MCU, or None: no
+    TurboJPEG 3 library here, not an 8-bit lossy YCbCr or greyscale JPEG the library reads,
+    or more than `MAX_TILES` MCUs. A JPEG that has them already comes back as it is."""
+    if restart_layout(data) is not None:
+        return data
+    lib = tj.region_library()
+    parsed = _segments(data)
+    if lib is None or parsed is None:
+        return None
+    handle = tj.thread_handle(lib, tj.INIT_TRANSFORM)
+    if not handle or lib.tj3DecompressHeader(handle, data, len(data)) != 0:
+        tj.drop_thread_handle(tj.INIT_TRANSFORM)
+        return None
+    width, height = lib.tj3Get(handle, tj.JPEGWIDTH), lib.tj3Get(handle, tj.JPEGHEIGHT)
+    mcu = tj.MCU.get(lib.tj3Get(handle, tj.SUBSAMP))
+    if (
+        mcu is None
+        or lib.tj3Get(handle, tj.PRECISION) != 8
+        or lib.tj3Get(handle, tj.LOSSLESS) != 0
+        or lib.tj3Get(handle, tj.COLORSPACE) not in (tj.CS_YCBCR, tj.CS_GRAY)
+    ):
+        return None
+    for parameter in (tj.OPTIMIZE, tj.PROGRESSIVE, tj.ARITHMETIC):  # the header read sets
+        lib.tj3Set(handle, parameter, 0)  # them from the source; the tiles share the standard
+    tiles = _tiles(lib, handle, data, width, height, mcu)  # Huffman tables, sequential
+    if tiles is None:
+        return None
+    return _joined(data, parsed[0], tiles, width, height)
+
+
+def _tiles(
+    lib: ctypes.CDLL, handle: int, data: bytes, width: int, height: int, mcu: tuple[int, int]
+) -> list[bytes] | None:
+    """Every MCU of the image as its own JPEG, by lossless crops in one transform call."""
+    columns, rows = -(-width // mcu[0]), -(-height // mcu[1])
+    count = columns * rows
+    if count > MAX_TILES:
+        return None
+    spec = np.zeros(
+        count,
+        [
+            ("x", "i4"),
+            ("y", "i4"),
+            ("w", "i4"),
+            ("h", "i4"),
+            ("op", "i4"),
+            ("options", "i4"),
+            ("data", "u8"),
+            ("filter", "u8"),
+        ],
+    )
+    x = np.tile(np.arange(columns) * mcu[0], rows)
+    y = np.repeat(np.arange(rows) * mcu[1], columns)
+    spec["x"], spec["y"] = x, y
+    spec["w"], spec["h"] = np.minimum(mcu[0], width - x), np.minimum(mcu[1], height - y)
+    spec["options"] = _CROP | _COPYNONE
+    transforms = (tj.Transform * count).from_buffer(spec)
+    outputs, sizes = (ctypes.c_void_p * count)(), (ctypes.c_size_t * count)()
+    failed = lib.tj3Transform(handle, data, len(data), count, outputs, sizes, transforms)
+    pairs = zip(outputs, sizes, strict=True)
+    tiles = [] if failed else [ctypes.string_at(p, n) for p, n in pairs if p]
+    for pointer in outputs:
+        if pointer:
+            lib.tj3Free(pointer)
+    if failed or len(tiles) != count:
+        tj.drop_thread_handle(tj.INIT_TRANSFORM)
+        return None
+    return tiles
+
+
+def _joined(
+    data: bytes, original: list[tuple[int, int, int]], tiles: list[bytes], width: int, height: int
+) -> bytes | None:
+    """One JPEG of the tiles' entropy-coded data joined by RST markers, under the original's
+    application segments and the tiles' tables, with the whole image's size."""
+    parsed = _segments(tiles[0])
+    if parsed is None:
+        return None
+    segments, scan = parsed
+    sos = segments[-1][1]
+    head = bytearray(b"\xff\xd8")
+    for marker, start, end in original:  # EXIF, ICC, Adobe, comments: as they were
+        if 0xE0 <= marker <= 0xEF or marker == 0xFE:
+            head += data[start:end]
+    for marker, start, end in segments:
+        if 0xE0 <= marker <= 0xEF or marker == 0xFE:
+            continue  # the tiles' own JFIF header
+        segment = bytearray(tiles[0][start:end])
+        if marker in _SEQUENTIAL_HUFFMAN:
+            segment[5:9] = struct.pack(">HH", height, width)
+        elif marker == 0xDA:
+            head += b"\xff\xdd\x00\x04\x00\x01"  # DRI: a restart interval of one MCU
+        elif marker in _OTHER_FRAMES:
+            return None
+        head += segment
+    parts = []
+    for tile in tiles:
+        if not tile.endswith(b"\xff\xd9") or tile[sos : sos + 2] != b"\xff\xda":
+            return None
+        parts.append(tile[scan:-2])
+    lengths = np.array([len(part) for part in parts])
+    if lengths.max() > 0xFFFF:
+        return None
+    index = _INDEX_ID + lengths.astype("<u2").tobytes()
+    body = bytearray(b"\xff\xd0".join(parts))
+    at = np.cumsum(lengths[:-1] + 2) - 1  # each marker's second byte
+    np.frombuffer(body, np.uint8)[at] = 0xD0 + np.arange(len(at)) % 8
+    app15 = b"\xff\xef" + struct.pack(">H", len(index) + 2) + index
+    return bytes(head[:2]) + app15 + bytes(head[2:]) + bytes(body) + b"\xff\xd9"
