@@ -67,10 +67,11 @@ def dlpipe_executable() -> str:
     return found
 
 
-def convert_corpus(root: str, fmt: str, out: str) -> float:
-    """``dlpipe convert`` an ImageFolder corpus; returns the wall-clock seconds."""
+def convert_corpus(root: str, fmt: str, out: str, options: tuple[str, ...] = ()) -> float:
+    """``dlpipe convert`` an ImageFolder corpus (with `options`); returns the wall-clock
+    seconds."""
     cmd = [dlpipe_executable(), "convert", root, "--to", fmt, "--source", "imagefolder"]
-    cmd += ["--out", out, "--overwrite"]
+    cmd += ["--out", out, "--overwrite", *options]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

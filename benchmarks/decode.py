@@ -17,7 +17,9 @@ Crop-aware (the box drawn from the header size first, then a DCT-scaled decode a
 - ``pillow draft``: ``Image.draft("RGB", ...)`` picks the scale;
 - ``dlpipe crop``: ``ImageTransform("train")`` at the scale dlpipe picks (only the box's region
   where a TurboJPEG 3 library is installed, else simplejpeg's whole decode);
-- ``dlpipe crop, whole``: the same with the region decode off (``DLPIPE_JPEG_REGION=0``).
+- ``dlpipe crop, whole``: the same with the region decode off (``DLPIPE_JPEG_REGION=0``);
+- ``dlpipe crop, seekable``: ``dlpipe crop`` on the same JPEGs rewritten as ``dlpipe convert
+  --seekable-jpeg`` stores them (a restart marker per MCU: the crop decodes a window of them).
 
 Corpora: the photo-like corpus of ``benchmarks/corpus.py`` (ImageNet-sized, mean ~400x350 px)
 at S = 224 and S = 160, and a few large photo-like images (~1600x1200 px, the same generator)
@@ -66,6 +68,7 @@ from corpus import QUALITY, cached_corpus, corpus_files, pink_noise, scene
 from machine import machine_info
 
 import dlpipe
+from dlpipe.jpeg_seek import add_restart_markers
 from dlpipe.loading.transforms import ImageTransform, dct_factor
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -92,8 +95,9 @@ def seeded(index: int) -> None:
     torch.default_generator.manual_seed(int(key))
 
 
-def candidates(size: int) -> dict[str, Candidate]:
-    """Every candidate as (bytes, sample index) → (3, size, size) uint8."""
+def candidates(size: int, seekables: list[bytes]) -> dict[str, Candidate]:
+    """Every candidate as (bytes, sample index) → (3, size, size) uint8; `seekables` are the
+    samples rewritten seekable, by index."""
     ops = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
     full = ImageTransform("train", size, "jpg", decode="full")
     crop = ImageTransform("train", size, "jpg")
@@ -141,12 +145,13 @@ def candidates(size: int) -> dict[str, Candidate]:
         "pillow draft": pillow_draft,
         "dlpipe crop, whole": without_region_decode(dlpipe_crop),
         "dlpipe crop": dlpipe_crop,
+        "dlpipe crop, seekable": lambda data, index: dlpipe_crop(seekables[index], index),
     }
 
 
 def measure(datas: list[bytes], size: int, rounds: int) -> dict[str, float]:
     """Samples per CPU-second of each candidate, alternating candidates in rounds."""
-    cands = candidates(size)
+    cands = candidates(size, [add_restart_markers(data) or data for data in datas])
     cpu = dict.fromkeys(cands, 0.0)
     for _ in range(rounds):
         for name, fn in cands.items():

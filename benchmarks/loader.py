@@ -593,7 +593,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{c['classes']} classes, {c['total_bytes'] / 1e6:.1f} MB, mean "
         f"{c['mean_bytes'] / 1e3:.1f} KB, mean {c['mean_width']:.0f}x{c['mean_height']:.0f} px"
         f"{' (reduced from the usual 1,500 to keep the run short)' if c['images'] < 1500 else ''}"
-        f". Converted once per format with `dlpipe convert` ({result['convert_s']}).",
+        f". Converted once per format with `dlpipe convert` ({result['convert_s']}); "
+        "*seekable* rows read a second conversion made with `--seekable-jpeg` (the same "
+        "pixels, a restart marker per MCU, so a crop entropy-decodes only its box).",
         "",
         "Every loader yields uint8 (64, 3, 224, 224) batches of RandomResizedCrop(224) + flip. "
         "First a sweep: each contender at each count of worker processes "
@@ -732,6 +734,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="skip FFCV, DALI")
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    parser.add_argument(
+        "--seekable",
+        nargs="*",
+        choices=FORMATS,
+        default=["wds", "lmdb"],
+        help="formats also converted with --seekable-jpeg (default: wds lmdb)",
+    )
     parser.add_argument("--decode-images", type=int, default=200, help="images per decode pass")
     parser.add_argument("--corpus", help=f"corpus folder (default {DEFAULT_CORPUS}/<images>-s0)")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed (default 0)")
@@ -756,10 +765,13 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="dlpipe-bench-loader-")
     try:
         datasets, convert_s = {}, {}
-        for fmt in args.formats:
-            datasets[fmt] = os.path.join(work, fmt)
-            convert_s[fmt] = convert_corpus(root, fmt, datasets[fmt])
-            log(f"  converted to {fmt} in {convert_s[fmt]:.1f} s")
+        for fmt, options in [(f, ()) for f in args.formats] + [
+            (f, ("--seekable-jpeg",)) for f in args.seekable
+        ]:
+            name = f"{fmt} seekable" if options else fmt
+            datasets[name] = os.path.join(work, name.replace(" ", "-"))
+            convert_s[name] = convert_corpus(root, fmt, datasets[name], options)
+            log(f"  converted to {name} in {convert_s[name]:.1f} s")
         decoders = time_decoders(files[: args.decode_images], args.decode_repeats)
         stages = stage_costs(datasets)
         found, missing = contenders(root, datasets, work, args)
@@ -779,6 +791,7 @@ def main(argv: list[str] | None = None) -> int:
             "workers": args.workers,
             "threads": args.threads,
             "formats": args.formats,
+            "seekable": args.seekable,
             "decode_images": min(args.decode_images, len(files)),
             "decode_repeats": args.decode_repeats,
             "quick": args.quick,

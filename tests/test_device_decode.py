@@ -233,3 +233,30 @@ def test_the_next_batch_decodes_on_a_background_thread_while_this_one_is_used(
     assert len(seen) == 2
     assert all(name.startswith("dlpipe-device-decode") for name in seen)
     assert len(list(iterator)) == 3
+
+
+def test_a_seekable_jpeg_travels_cut_to_its_box_and_decodes_to_the_same_batches(
+    tmp_path, cpu_as_device
+) -> None:
+    """``convert --seekable-jpeg`` data: the workers send only the MCUs around each train box,
+    and the device's batches are the whole JPEGs' (libjpeg-turbo here: pixel for pixel)."""
+    from test_jpeg_seek import needs_library
+
+    from dlpipe.jpeg_seek import add_restart_markers
+
+    if needs_library.args[0]:
+        pytest.skip(needs_library.kwargs["reason"])
+    plain = [
+        dict(s, jpg=photo(300 + 16 * (i % 4), 240, i)) for i, s in enumerate(photo_samples(12))
+    ]
+    seekable = [dict(s, jpg=add_restart_markers(s["jpg"])) for s in plain]
+    planned = PlannedTransform(ImageTransform("train", 48, "jpg", seed=3))
+    sent = [len(planned(s, 0, i)[0].data) for i, s in enumerate(seekable)]
+    assert sum(sent) < 0.8 * sum(len(s["jpg"]) for s in seekable)
+    paths = [
+        write_dataset(tmp_path / n, "lmdb", {"train": d})
+        for n, d in (("a", plain), ("b", seekable))
+    ]
+    device = _pairs(paths[1], "cuda", num_workers=0)
+    for (a, la), (b, lb) in zip(device, _pairs(paths[0], "cuda", num_workers=0), strict=True):
+        assert torch.equal(la, lb) and torch.equal(a, b)

@@ -187,6 +187,39 @@ def test_a_decode_bound_train_loader_without_region_decode_is_told_how_to_get_it
     assert ("pip install 'dlpipe[jpeg-region]'" in advice) is advised, advice
 
 
+@pytest.mark.parametrize(("share", "crop_decode", "advised"), [
+    (0.0, True, True), (1.0, True, False), (0.0, False, False),
+])  # fmt: skip
+def test_a_decode_bound_train_loader_on_plain_jpegs_is_told_to_make_them_seekable(
+    share: float, crop_decode: bool, advised: bool, monkeypatch
+) -> None:
+    monkeypatch.setattr(turbojpeg, "_library", [object()])
+    stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440,
+                             read_mb_per_s=900, crop_decode=crop_decode,
+                             seekable_share=share)  # fmt: skip
+    _, advice = verdicts.verdict(stages, tune.Trial(2, 2, False, samples_per_s=800), 2, 224)
+    assert ("--seekable-jpeg" in advice) is advised, advice
+
+
+def test_the_stage_table_counts_the_seekable_jpegs(tmp_path) -> None:
+    """bench-loader's stage measurement sees whether the dataset was converted seekable."""
+    from test_jpeg_seek import needs_library, photo, write_raw
+
+    if needs_library.args[0]:
+        pytest.skip(needs_library.kwargs["reason"])
+    raw = tmp_path / "raw"
+    for i in range(12):
+        write_raw(raw / "ab"[i % 2] / f"{i}.jpg", photo(120, 90, seed=i))
+    shares = []
+    for extra in ((), ("seekable_jpeg",)):
+        out = tmp_path / f"out{len(extra)}"
+        dlpipe.convert(str(raw), to="lmdb", out=str(out), workers=1,
+                       **dict.fromkeys(extra, True))  # fmt: skip
+        config = tune.BenchConfig(path=str(out), loader=dlpipe.LoaderConfig(batch_size=4))
+        shares.append(tune.measure_stages(config, seconds=0.1).seekable_share)
+    assert shares == [0.0, 1.0]
+
+
 @pytest.mark.parametrize(("gpu_gain", "kept"), [(2.0, "GPU decode kept"), (0.5, "CPU decode kept")])
 def test_a_gpu_target_measures_gpu_decode_and_the_verdict_says_why(
     gpu_gain, kept, make_dataset, monkeypatch

@@ -16,6 +16,10 @@ batched resize, each image's crop and resize as torch's antialias weight matrice
 batched matrix products, ran at 0.95x this on an H200: the dense products do about 60x the
 multiply-adds of the banded filter.)
 
+A seekable JPEG (``convert --seekable-jpeg``) travels cut to the MCUs around its train box
+(`dlpipe.jpeg_seek`), so the device decodes, and nvJPEG's host-side Huffman stage reads, only
+those; the box's pixels are the whole JPEG's.
+
 What nvJPEG cannot take here (PNG, WebP, CMYK/YCCK JPEGs) is decoded on the CPU in the worker
 as before and travels as a finished crop; the batch mixes both. A JPEG that fails on the device
 is retried alone to name its sample (`FieldDecodeError`), as the CPU path names it.
@@ -39,6 +43,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from dlpipe.codecs import check_image_pixels, stable_message
 from dlpipe.errors import DlpipeError, FieldDecodeError
+from dlpipe.jpeg_seek import restart_layout, seek_window
 from dlpipe.loading.transforms import (
     SCALABLE_COLORSPACES,
     ImageTransform,
@@ -137,8 +142,11 @@ class PlannedTransform:
             width, height = check_image_pixels(data, t.max_pixels)
         except FieldDecodeError as exc:
             raise t.named(exc, sample) from None
-        plan = tuple(self._plan(width, height, epoch, index))
-        return EncodedImage(data, plan, str(sample.get(KEY_FIELD, "?"))), sample_label(sample)
+        plan = self._plan(width, height, epoch, index)
+        if t.recipe == "train":
+            data, plan = _windowed(data, plan)
+        key = str(sample.get(KEY_FIELD, "?"))
+        return EncodedImage(data, tuple(plan), key), sample_label(sample)
 
     def _plan(self, width: int, height: int, epoch: int, index: int) -> list[int]:
         t, size = self.transform, self.transform.image_size
@@ -153,6 +161,17 @@ class PlannedTransform:
         new_h, new_w = (new_short, new_long) if height <= width else (new_long, new_short)
         top, left = round((new_h - size) / 2.0), round((new_w - size) / 2.0)
         return [top, left, size, size, 0, new_h, new_w]
+
+
+def _windowed(data: bytes, plan: list[int]) -> tuple[bytes, list[int]]:
+    """A seekable JPEG (`dlpipe.jpeg_seek`) cut to the MCUs around the train box, and the box
+    in the cut: the device decodes (and the batch carries) only those; else as it was."""
+    layout = restart_layout(data)
+    window = None if layout is None else seek_window(data, layout, tuple(plan[:4]))
+    if window is None:
+        return data, plan
+    cut, _, top, left = window
+    return cut, [plan[0] - top, plan[1] - left, *plan[2:]]
 
 
 def collate_planned(items: Sequence[tuple[Any, int]]) -> tuple[PlannedBatch, torch.Tensor]:

@@ -44,6 +44,7 @@ import torch
 
 from dlpipe._version import __version__
 from dlpipe.errors import SplitTooSmallError
+from dlpipe.jpeg_seek import restart_layout
 from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
 from dlpipe.loading.dataset import open_dataset
 from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
@@ -109,6 +110,7 @@ class StageRates:
     collate: float
     read_mb_per_s: float
     crop_decode: bool = False  # the train recipe's crop-aware decode was measured
+    seekable_share: float = 0.0  # of the measured images: seekable JPEGs (`dlpipe.jpeg_seek`)
 
     def costs(self) -> dict[str, float]:
         """Seconds per sample each stage adds."""
@@ -215,6 +217,7 @@ def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
         collate=collate,
         read_mb_per_s=nbytes / 1e6 / max(read_s, 1e-9),
         crop_decode=transform.recipe == "train" and transform.decode == "crop",
+        seekable_share=sum(restart_layout(d) is not None for d in datas) / max(len(datas), 1),
     )
 
 

@@ -50,6 +50,12 @@ def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tup
         )
         if stages.crop_decode and region_library() is None:
             advice += f", or {INSTALL_HINT}"
+        elif stages.crop_decode and stages.seekable_share < 0.5:
+            advice += (
+                ", or re-convert with --seekable-jpeg so that train crops entropy-decode only "
+                "their box (the same pixels, about 12 % less CPU a sample on ImageNet-sized "
+                "photos)"
+            )
     elif stage == "transform":
         advice = (
             f"transform-bound: crop and resize are {share:.0f}% of the per-sample time; "
