@@ -167,7 +167,8 @@ def _windowed(data: bytes, plan: list[int]) -> tuple[bytes, list[int]]:
     """A seekable JPEG (`dlpipe.jpeg_seek`) cut to the MCUs around the train box, and the box
     in the cut: the device decodes (and the batch carries) only those; else as it was."""
     layout = restart_layout(data)
-    window = None if layout is None else seek_window(data, layout, tuple(plan[:4]))
+    top, left, height, width = plan[:4]
+    window = None if layout is None else seek_window(data, layout, (top, left, height, width))
     if window is None:
         return data, plan
     cut, _, top, left = window
