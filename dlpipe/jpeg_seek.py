@@ -246,7 +246,7 @@ def _tiles(
     spec["x"], spec["y"] = x, y
     spec["w"], spec["h"] = np.minimum(mcu[0], width - x), np.minimum(mcu[1], height - y)
     spec["options"] = _CROP | _COPYNONE
-    transforms = (tj.Transform * count).from_buffer(memoryview(spec))
+    transforms = (tj.Transform * count).from_buffer(spec.data)
     outputs, sizes = (ctypes.c_void_p * count)(), (ctypes.c_size_t * count)()
     failed = lib.tj3Transform(handle, data, len(data), count, outputs, sizes, transforms)
     pairs = zip(outputs, sizes, strict=True)
