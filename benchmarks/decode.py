@@ -27,7 +27,7 @@ at S = 224. The candidates alternate in rounds (a shared, loaded machine slows a
 the figure is samples over the CPU-seconds (``time.process_time``) summed over the rounds.
 Also: the share of crops decoded at each scale, the mean absolute difference (of 255) between
 ``dlpipe crop`` and ``dlpipe full`` on the same seeds, and ``make_loader`` (lmdb, 0 workers,
-batch 64) CPU-seconds per sample with each decode mode.
+batch 64) CPU-seconds per sample with each decode mode, and on a ``--seekable-jpeg`` conversion.
 
 Run from the repository root, in the venv where dlpipe is installed (~3 min on 2 loaded cores)::
 
@@ -188,13 +188,17 @@ def scales_and_difference(datas: list[bytes], size: int) -> dict[str, Any]:
 
 
 def loader_cpu_per_sample(root: str, epochs: int) -> dict[str, float]:
-    """make_loader (lmdb, 0 workers, batch 64, 224 px): CPU-seconds per sample, each decode."""
+    """make_loader (lmdb, 0 workers, batch 64, 224 px): CPU-seconds per sample, each decode,
+    and the crop-aware decode of the same corpus converted with ``--seekable-jpeg``."""
     out: dict[str, float] = {}
+    rounds = 3
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "lmdb")
-        convert_corpus(root, "lmdb", path)
-        for _ in range(2):  # alternate the modes twice
-            for decode in ("full", "crop"):
+        plain, seekable = os.path.join(tmp, "lmdb"), os.path.join(tmp, "lmdb-seekable")
+        convert_corpus(root, "lmdb", plain)
+        convert_corpus(root, "lmdb", seekable, ("--seekable-jpeg",))
+        modes = {"full": (plain, "full"), "crop": (plain, "crop"), "seekable": (seekable, "crop")}
+        for _ in range(rounds):  # alternate the modes
+            for mode, (path, decode) in modes.items():
                 transform = ImageTransform("train", 224, "jpg", decode=decode)
                 loader = dlpipe.make_loader(
                     path, "train", 64, num_workers=0, profile=None, transform=transform
@@ -203,7 +207,8 @@ def loader_cpu_per_sample(root: str, epochs: int) -> dict[str, float]:
                 for _epoch in range(epochs):
                     for images, _labels in loader:
                         samples += len(images)
-                out[decode] = out.get(decode, 0.0) + (time.process_time() - start) / samples / 2
+                spent = (time.process_time() - start) / samples / rounds
+                out[mode] = out.get(mode, 0.0) + spent
     return out
 
 
@@ -237,7 +242,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "`make_loader` (lmdb, 0 workers, batch 64, 224 px) CPU-ms per sample: "
         f"full {loader['full'] * 1e3:.2f}, crop {loader['crop'] * 1e3:.2f} "
-        f"({loader['full'] / loader['crop']:.2f}x).",
+        f"({loader['full'] / loader['crop']:.2f}x), crop of the `--seekable-jpeg` conversion "
+        f"{loader['seekable'] * 1e3:.2f} ({loader['full'] / loader['seekable']:.2f}x full, "
+        f"{loader['crop'] / loader['seekable']:.2f}x crop).",
         "",
     ]
     return "\n".join(lines)

@@ -285,7 +285,10 @@ def _run(
     out, journal = worker.out, Journal(worker.out)
     done = _prepare(out, journal, plan, config)
     pending = [t for t in plan.tasks if t.name not in done]
-    check_disk(out, sum(it.size for t in pending for it in t.items))
+    estimated = sum(it.size for t in pending for it in t.items)
+    if config.images.seekable_jpeg:  # restart markers and the standard Huffman tables
+        estimated = estimated * 5 // 4  # (about 3 %; up to 25 % for progressive JPEGs)
+    check_disk(out, estimated)
     if not done:
         journal.start(plan, raw=os.path.abspath(config.raw), args=config.option_args())
     if on_start is not None:

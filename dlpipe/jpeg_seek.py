@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,11 +42,11 @@ _SEQUENTIAL_HUFFMAN = (0xC0, 0xC1)  # baseline and extended sequential, Huffman-
 _OTHER_FRAMES = frozenset(range(0xC2, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _CROP, _COPYNONE = 4, 64  # TJXOPT_CROP, TJXOPT_COPYNONE
 _INDEX_ID = b"dlpipe restart intervals\0"  # APP15: then each interval's length, uint16 LE
+_NUMBERS = (0xD0 + np.arange(MAX_TILES) % 8).astype(np.uint8)  # the k-th restart marker's
 
 
-@dataclass(frozen=True)
-class RestartLayout:
-    """Where each restart interval of a sequential JPEG lies.
+class RestartLayout(NamedTuple):
+    """Where each restart interval of a seekable JPEG lies.
 
     Attributes:
         width, height: the image's size in pixels.
@@ -102,18 +102,18 @@ def restart_layout(data: bytes) -> RestartLayout | None:
     if parsed is None:
         return None
     segments, scan = parsed
-    frames = [s for s in segments if s[0] in _SEQUENTIAL_HUFFMAN or s[0] in _OTHER_FRAMES]
-    index = [s for s in segments if s[0] == 0xEF and data[s[1] + 4 : s[2]].startswith(_INDEX_ID)]
-    restarts = [data[s[1] + 4 : s[2]] for s in segments if s[0] == 0xDD]
-    if (
-        len(frames) != 1
-        or frames[0][0] not in _SEQUENTIAL_HUFFMAN
-        or len(index) != 1
-        or restarts != [b"\x00\x01"]
-    ):
+    frame = index = -1
+    restarts = frames = 0
+    for marker, start, end in segments:
+        if marker in _SEQUENTIAL_HUFFMAN or marker in _OTHER_FRAMES:
+            frames, frame = frames + 1, start if marker in _SEQUENTIAL_HUFFMAN else -1
+        elif marker == 0xEF and data.startswith(_INDEX_ID, start + 4):
+            index = -2 if index != -1 else start  # two indexes: refused
+        elif marker == 0xDD:
+            restarts += 1 if data[start + 2 : end] == b"\x00\x04\x00\x01" else 2
+    if frames != 1 or frame < 0 or index < 0 or restarts != 1:
         return None
-    frame = frames[0][1]
-    height, width = struct.unpack(">HH", data[frame + 5 : frame + 9])
+    height, width = struct.unpack_from(">HH", data, frame + 5)
     count = data[frame + 9]
     sampling = data[frame + 10 : frame + 10 + 3 * count][1::3]
     if (
@@ -133,19 +133,25 @@ def restart_layout(data: bytes) -> RestartLayout | None:
             return None
         mcu = (8 * h_max, 8 * v_max)
     columns, rows = -(-width // mcu[0]), -(-height // mcu[1])
-    start = index[0][1] + 4 + len(_INDEX_ID)
-    lengths = np.frombuffer(data[start : index[0][2]], "<u2").astype(np.int64)
-    if len(lengths) != columns * rows:
+    count = columns * rows
+    first = index + 4 + len(_INDEX_ID)
+    if not 0 < count <= MAX_TILES or first + 2 * count != index + 2 + _u16(data, index + 2):
         return None
-    ends = scan + np.cumsum(lengths + 2) - 2
-    starts = ends - lengths
-    if ends[-1] + 2 > len(data) or data[ends[-1] : ends[-1] + 2] != b"\xff\xd9":
+    lengths = np.frombuffer(data, "<u2", count, first)
+    ends = np.add(lengths, 2, dtype=np.int64).cumsum()
+    ends += scan - 2
+    last = int(ends[-1])
+    if data[last : last + 2] != b"\xff\xd9":
         return None
     body = np.frombuffer(data, np.uint8)
-    numbers = 0xD0 + np.arange(len(ends) - 1) % 8
-    if not ((body[ends[:-1]] == 0xFF) & (body[ends[:-1] + 1] == numbers)).all():
+    marks = ends[:-1]
+    if not ((body[marks] == 0xFF) & (body[marks + 1] == _NUMBERS[: count - 1])).all():
         return None  # the lengths do not land on the restart markers
-    return RestartLayout(width, height, mcu, columns, rows, frame, scan, starts, ends)
+    return RestartLayout(width, height, mcu, columns, rows, frame, scan, ends - lengths, ends)
+
+
+def _u16(data: bytes, at: int) -> int:
+    return int.from_bytes(data[at : at + 2], "big")
 
 
 def seek_window(
@@ -164,29 +170,33 @@ def seek_window(
         None when the window would be the whole image.
     """
     top, left, height, width = box
-    mcu_w, mcu_h = layout.mcu
+    (mcu_w, mcu_h), columns, rows = layout.mcu, layout.columns, layout.rows
     reach = 2 * factor
     r0, c0 = top // mcu_h, left // mcu_w
-    r1 = min(-(-(top + height) // mcu_h), layout.rows)
-    c1 = min(-(-(left + width) // mcu_w), layout.columns)
+    r1 = min(-(-(top + height) // mcu_h), rows)
+    c1 = min(-(-(left + width) // mcu_w), columns)
     r0 -= int(r0 > 0 and top - r0 * mcu_h < reach)
     c0 -= int(c0 > 0 and left - c0 * mcu_w < reach)
-    r1 += int(r1 < layout.rows and r1 * mcu_h - top - height < reach)
-    c1 += int(c1 < layout.columns and c1 * mcu_w - left - width < reach)
-    if r1 - r0 == layout.rows and c1 - c0 == layout.columns:
+    r1 += int(r1 < rows and r1 * mcu_h - top - height < reach)
+    c1 += int(c1 < columns and c1 * mcu_w - left - width < reach)
+    if r1 - r0 == rows and c1 - c0 == columns:
         return None
-    index = np.arange(r0, r1)[:, None] * layout.columns + np.arange(c0, c1)[None, :]
-    first, last = layout.starts[index[:, 0]], layout.ends[index[:, -1]]
-    header = bytearray(data[: layout.scan])
+    row_first = np.arange(r0 * columns + c0, r1 * columns + c0, columns)
+    starts = layout.starts[row_first[:, None] + np.arange(c1 - c0)]  # every window interval
+    first, last = starts[:, 0], layout.ends[row_first + (c1 - c0 - 1)]
     size = (min(c1 * mcu_w, layout.width) - c0 * mcu_w, min(r1 * mcu_h, layout.height) - r0 * mcu_h)
-    header[layout.frame + 5 : layout.frame + 9] = struct.pack(">HH", size[1], size[0])
-    body = b"\xff\xd0".join(data[a:b] for a, b in zip(first.tolist(), last.tolist(), strict=True))
-    out = np.frombuffer(bytearray(header + body + b"\xff\xd9"), np.uint8)
-    row_base = np.zeros(len(first), np.int64)
-    row_base[1:] = np.cumsum(last[:-1] - first[:-1] + 2)
-    begins = (layout.scan + row_base[:, None] + layout.starts[index] - first[:, None]).ravel()
-    out[begins[1:] - 1] = 0xD0 + np.arange(len(begins) - 1) % 8  # RST0..7 in the new order
-    return out.tobytes(), size, r0 * mcu_h, c0 * mcu_w
+    out = bytearray(data[: layout.scan])
+    out[layout.frame + 5 : layout.frame + 9] = struct.pack(">HH", size[1], size[0])
+    out += b"\xff\xd0".join([data[a:b] for a, b in zip(first.tolist(), last.tolist(), strict=True)])
+    out += b"\xff\xd9"
+    # each interval's first byte in the window: its row's place there plus its place in the row
+    row_at = np.empty_like(first)
+    row_at[0] = layout.scan
+    np.cumsum(last[:-1] - first[:-1] + 2, out=row_at[1:])
+    row_at[1:] += layout.scan
+    begins = (starts + (row_at - first)[:, None]).ravel()[1:]
+    np.frombuffer(out, np.uint8)[begins - 1] = _NUMBERS[: len(begins)]  # RST0..7 renumbered
+    return bytes(out), size, r0 * mcu_h, c0 * mcu_w
 
 
 def add_restart_markers(data: bytes) -> bytes | None:
