@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         "make_loader": loader_cpu_per_sample(root, 1 if args.quick else 3),
     }
     result["total_s"] = time.perf_counter() - started
-    command = "python benchmarks/decode.py" + (" --quick" if args.quick else "")
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python benchmarks/decode.py", *given])
     result["config"] = {"command": command, "json_name": f"{stem}.json", **vars(args)}
     write_results(RESULTS_DIR, stem, result, markdown)
     return 0
