@@ -14,7 +14,9 @@ the others:
 4. **decode**: the corpus's JPEGs (photo-like, ~100 KB, ~400 x 350 px) decoded in batches of
    256 by ``torchvision.io.decode_jpeg(device="cuda")`` (nvJPEG), images/s, against
    simplejpeg on one CPU core; and dlpipe's device decoder (decode + crop + resize + flip),
-   with its crop + resize + flip alone and how busy the host's CPU is meanwhile.
+   with its crop + resize + flip alone and how busy the host's CPU is meanwhile; and the
+   device decoder on 2,560 of those JPEGs plain against ``--seekable-jpeg`` (each worker
+   sends its train box's window): images/s and host CPU per image.
 5. **bench_loader**: the corpus converted to lmdb, then ``dlpipe bench-loader --device cuda``
    on it, as a user runs it before training: the settings and the decode (CPU or GPU) it
    picks by measurement, its verdict, and the profile it saves beside the data.
@@ -165,6 +167,46 @@ def check_decode(files: list[str]) -> dict[str, Any]:
     _sync()
     out["device_decoder_images_per_s"] = len(planned) / (time.perf_counter() - start)
     out.update(_finish_alone(decoder, [planned for planned, _ in batches[:8]]))
+    out.update(_seekable_against_plain(decoder, planner, blobs[:2560]))
+    return out
+
+
+def _seekable_against_plain(decoder: Any, planner: Any, blobs: list[bytes]) -> dict[str, Any]:
+    """The device decoder on the same JPEGs plain and as ``convert --seekable-jpeg`` stores
+    them (the workers send each train box's window), alternating: images/s and the host CPU
+    seconds per image (nvJPEG's Huffman stage runs on the host for small images)."""
+    from multiprocessing import Pool
+
+    from dlpipe.jpeg_seek import add_restart_markers
+    from dlpipe.loading.device_decode import collate_planned
+
+    with Pool() as pool:
+        rewritten = pool.map(add_restart_markers, blobs)
+    seekable = [s or b for s, b in zip(rewritten, blobs, strict=True)]
+    kinds = {"plain": blobs, "seekable": seekable}
+    batches = {}
+    for kind, datas in kinds.items():
+        planned = [planner({"jpg": b, "cls": b"0"}, 0, i) for i, b in enumerate(datas)]
+        batches[kind] = [collate_planned(planned[i : i + 256]) for i in range(0, len(planned), 256)]
+        decoder(batches[kind][0])
+    wall, cpu = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
+    for _ in range(3):
+        for kind, todo in batches.items():
+            _sync()
+            start, started_cpu = time.perf_counter(), time.process_time()
+            for batch in todo:
+                decoder(batch)
+            _sync()
+            wall[kind] += time.perf_counter() - start
+            cpu[kind] += time.process_time() - started_cpu
+    count = 3 * len(blobs)
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        out[f"device_decoder_{kind}_images_per_s"] = count / wall[kind]
+        out[f"device_decoder_{kind}_host_cpu_us_per_image"] = 1e6 * cpu[kind] / count
+    out["seekable_bytes_sent_share"] = sum(
+        int(b[0].offsets[-1]) for b in batches["seekable"]
+    ) / max(sum(int(b[0].offsets[-1]) for b in batches["plain"]), 1)
     return out
 
 
@@ -292,6 +334,27 @@ SUMMARY = [  # (what, path in checks, format)
     ),
     ("... its crop + resize + flip alone: images/s", "decode.finish_images_per_s", "{:,.0f}"),
     ("... host CPU busy during it", "decode.finish_host_cpu_share", "{:.0%}"),
+    *[
+        row
+        for kind in ("plain", "seekable")
+        for row in (
+            (
+                f"device decoder, 2,560 {kind} JPEGs: images/s",
+                f"decode.device_decoder_{kind}_images_per_s",
+                "{:,.0f}",
+            ),
+            (
+                f"... host CPU per image ({kind}): µs",
+                f"decode.device_decoder_{kind}_host_cpu_us_per_image",
+                "{:,.0f}",
+            ),
+        )
+    ],
+    (
+        "... bytes the seekable windows carry, of the plain",
+        "decode.seekable_bytes_sent_share",
+        "{:.0%}",
+    ),
     ("simplejpeg, one CPU core: images/s", "decode.simplejpeg_images_per_s_one_core", "{:,.0f}"),
     *[
         row
