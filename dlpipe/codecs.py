@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -169,26 +170,38 @@ def image_size(data: bytes) -> tuple[int, int] | None:
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
-def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """Walk the markers to the first start-of-frame, as libjpeg does."""
-    i, end = 2, len(data)
-    while i + 4 <= end:
+def jpeg_segments(data: bytes) -> Iterator[tuple[int, int, int]]:
+    """A JPEG header's segments as libjpeg walks them: (marker, offset, end) for each one with
+    a length, up to and including the first start of scan; fill bytes and standalone markers
+    are stepped over; the walk stops at an end of image or a byte that is not a marker.
+    `end` may lie past the data (a truncated file): the caller checks what it reads."""
+    i, size = 2, len(data)
+    while i + 4 <= size:
         if data[i] != 0xFF:
-            return None
+            return
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
         elif marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # no length
             i += 2
-        elif marker in (0xD9, 0xDA):  # end of image, start of scan: no frame header before
-            return None
-        elif marker in _SOF_MARKERS:
-            if i + 9 > end:
+        elif marker == 0xD9:  # end of image
+            return
+        else:
+            end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+            yield marker, i, end
+            if marker == 0xDA:  # start of scan: the header ends
+                return
+            i = end
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The first start-of-frame's (width, height), as libjpeg reads it."""
+    for marker, i, _ in jpeg_segments(data):
+        if marker in _SOF_MARKERS:
+            if i + 9 > len(data):
                 return None
             height = int.from_bytes(data[i + 5 : i + 7], "big")
             return int.from_bytes(data[i + 7 : i + 9], "big"), height
-        else:
-            i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
     return None
 
 

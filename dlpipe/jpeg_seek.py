@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dlpipe import turbojpeg as tj
+from dlpipe.codecs import jpeg_segments
 
 __all__ = ["MAX_TILES", "RestartLayout", "add_restart_markers", "restart_layout", "seek_window"]
 
@@ -72,25 +73,15 @@ class RestartLayout(NamedTuple):
 def _segments(data: bytes) -> tuple[list[tuple[int, int, int]], int] | None:
     """The header's (marker, offset, end) segments up to and including the first SOS, and
     the offset after it; None for anything malformed."""
-    segments, i, size = [], 2, len(data)
     if not data.startswith(b"\xff\xd8"):
         return None
-    while i + 4 <= size:
-        if data[i] != 0xFF:
+    segments = []
+    for marker, start, end in jpeg_segments(data):
+        if end > len(data) or end < start + 4:
             return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker in (0x01, 0xD9) or 0xD0 <= marker <= 0xD8:
-            return None  # no standalone markers belong in a header here
-        end = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
-        if end > size or end < i + 4:
-            return None
-        segments.append((marker, i, end))
+        segments.append((marker, start, end))
         if marker == 0xDA:
             return segments, end
-        i = end
     return None
 
 
