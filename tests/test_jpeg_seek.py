@@ -245,3 +245,18 @@ def test_convert_refuses_the_switch_without_the_library(tmp_path: Path) -> None:
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--seekable-jpeg" in errors[0] and "jpeg-region" in errors[0]
     assert not out.exists()
+
+
+@needs_library
+def test_convert_makes_re_encoded_jpegs_seekable_too_and_keeps_what_it_cannot_rewrite() -> None:
+    from dlpipe.converters.images import ImagePolicy, prepare_image
+
+    policy = ImagePolicy(max_side=64, seekable=True)
+    shrunk, reencoded = prepare_image(photo(300, 200), policy, "a.jpg")
+    assert reencoded and restart_layout(shrunk) is not None
+    from_png, reencoded = prepare_image(photo(90, 70, format="PNG"), policy, "b.png")
+    assert reencoded and restart_layout(from_png) is not None
+    cmyk = photo(48, 40, mode="CMYK")
+    assert prepare_image(cmyk, policy, "c.jpg") == (cmyk, False)
+    kept, _ = prepare_image(photo(120, 90), ImagePolicy(seekable=False), "d.jpg")
+    assert restart_layout(kept) is None
