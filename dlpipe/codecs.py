@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "IMAGE_EXTENSIONS",
     "MAX_PIXELS_ENV",
+    "SOF_MARKERS",
     "ImageTooLargeError",
     "PixelLimitError",
     "check_image_pixels",
@@ -47,6 +48,7 @@ __all__ = [
     "encode_field",
     "field_type",
     "image_size",
+    "jpeg_segments",
     "max_image_pixels",
     "open_image",
     "set_max_image_pixels",
@@ -167,7 +169,7 @@ def image_size(data: bytes) -> tuple[int, int] | None:
 
 
 # start-of-frame markers: every C0..CF but DHT (C4), JPG (C8) and DAC (CC)
-_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
 def jpeg_segments(data: bytes) -> Iterator[tuple[int, int, int]]:
@@ -197,7 +199,7 @@ def jpeg_segments(data: bytes) -> Iterator[tuple[int, int, int]]:
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     """The first start-of-frame's (width, height), as libjpeg reads it."""
     for marker, i, _ in jpeg_segments(data):
-        if marker in _SOF_MARKERS:
+        if marker in SOF_MARKERS:
             if i + 9 > len(data):
                 return None
             height = int.from_bytes(data[i + 5 : i + 7], "big")

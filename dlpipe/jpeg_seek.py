@@ -5,23 +5,25 @@ difference from the previous block's, and the Huffman codes are not byte-aligned
 region-of-interest decoder (`dlpipe.loading.jpeg_region`, DALI, FFCV) Huffman-decodes every MCU
 above the region's last row; on ImageNet-sized photos that entropy decoding is three quarters
 of a whole decode's CPU. A restart marker (RSTn) resets the DC predictors and byte-aligns the
-data, so with one after every MCU each MCU can be found (a scan for the markers) and decoded
-alone. Two halves:
+data, so with one after every MCU, and an index of where each starts, each MCU can be found
+and decoded alone. Two halves:
 
 - `add_restart_markers` (``dlpipe convert --seekable-jpeg``) rewrites a JPEG losslessly with a
   restart interval of one MCU: libjpeg-turbo's lossless crop (``tj3Transform``, the
   coefficients copied, never re-quantised) cuts the image into one-MCU tiles in one call, and
-  their entropy-coded data is joined with RST markers under the original's header. The pixels
-  any decoder gives are the original's, bit for bit; the file grows by about 2 % (markers,
-  byte alignment, DC restarts); progressive JPEGs become sequential ones.
-- `seek_window` cuts, from any JPEG whose restart intervals tile its MCU rows (the ones above,
-  and cameras that write a marker per row or per block), a smaller valid JPEG holding only the
-  MCUs around a box: its data is the original's bytes for those intervals, renumbered. Decoded,
+  their entropy-coded data is joined with RST markers under the original's header, with each
+  interval's length in an APP15 segment right after the start of image (the index). The
+  pixels any decoder gives are the original's, bit for bit; the file grows by about 2 %
+  (markers, byte alignment, DC restarts, the index); progressive JPEGs become sequential ones.
+- `cut_window` (`restart_layout`, then `seek_window`) cuts from such a JPEG a smaller valid
+  JPEG holding only the MCUs around a box: its data is the original's bytes for those
+  intervals, renumbered. Any other JPEG is told apart by its first bytes alone. Decoded,
   it gives the original's pixels for the box exactly: one more MCU is kept on a side only where
   the box comes within the chroma upsampler's reach (2 pixels at the decoded scale) of the cut.
 
-Untrusted input: the layout comes from the file's own header and markers and is checked whole
-(one frame, one scan, the marker count and their order); a window's bytes are the file's own,
+Untrusted input: the layout comes from the file's own header and index and is checked whole
+(one frame, one scan, a length per MCU, each landing on the next marker in order, the last on
+the end of image); a window's bytes are the file's own,
 so a lying file decodes into garbage or a refusal, exactly as it would whole.
 """
 
@@ -34,15 +36,22 @@ from typing import NamedTuple
 import numpy as np
 
 from dlpipe import turbojpeg as tj
-from dlpipe.codecs import jpeg_segments
+from dlpipe.codecs import SOF_MARKERS, jpeg_segments
 
-__all__ = ["MAX_TILES", "RestartLayout", "add_restart_markers", "restart_layout", "seek_window"]
+__all__ = [
+    "MAX_TILES",
+    "RestartLayout",
+    "add_restart_markers",
+    "cut_window",
+    "restart_layout",
+    "seek_window",
+]
 
 MAX_TILES = 32_000  # MCUs (the index fits one segment): a bigger JPEG (over 8 MP at 4:2:0) stays
 _SEQUENTIAL_HUFFMAN = (0xC0, 0xC1)  # baseline and extended sequential, Huffman-coded
-_OTHER_FRAMES = frozenset(range(0xC2, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _CROP, _COPYNONE = 4, 64  # TJXOPT_CROP, TJXOPT_COPYNONE
 _INDEX_ID = b"dlpipe restart intervals\0"  # APP15: then each interval's length, uint16 LE
+_INDEX_AT = 2  # the index segment's offset: right after the start of image
 _NUMBERS = (0xD0 + np.arange(MAX_TILES) % 8).astype(np.uint8)  # the k-th restart marker's
 
 
@@ -88,7 +97,10 @@ def _segments(data: bytes) -> tuple[list[tuple[int, int, int]], int] | None:
 def restart_layout(data: bytes) -> RestartLayout | None:
     """Where the restart intervals of a seekable JPEG (`add_restart_markers`' output: a
     sequential, Huffman-coded, single-scan JPEG with one interval per MCU and their lengths
-    in an APP15 segment) lie, or None for any other JPEG or a malformed one."""
+    in an APP15 segment right after the start of image) lie, or None for any other JPEG (told
+    apart by its first bytes: this runs on every train crop) or a malformed one."""
+    if not data.startswith(b"\xff\xd8\xff\xef") or not data.startswith(_INDEX_ID, _INDEX_AT + 4):
+        return None
     parsed = _segments(data)
     if parsed is None:
         return None
@@ -96,13 +108,13 @@ def restart_layout(data: bytes) -> RestartLayout | None:
     frame = index = -1
     restarts = frames = 0
     for marker, start, end in segments:
-        if marker in _SEQUENTIAL_HUFFMAN or marker in _OTHER_FRAMES:
+        if marker in SOF_MARKERS:
             frames, frame = frames + 1, start if marker in _SEQUENTIAL_HUFFMAN else -1
         elif marker == 0xEF and data.startswith(_INDEX_ID, start + 4):
             index = -2 if index != -1 else start  # two indexes: refused
         elif marker == 0xDD:
             restarts += 1 if data[start + 2 : end] == b"\x00\x04\x00\x01" else 2
-    if frames != 1 or frame < 0 or index < 0 or restarts != 1:
+    if frames != 1 or frame < 0 or index != _INDEX_AT or restarts != 1:
         return None
     height, width = struct.unpack_from(">HH", data, frame + 5)
     count = data[frame + 9]
@@ -190,6 +202,15 @@ def seek_window(
     return bytes(out), size, r0 * mcu_h, c0 * mcu_w
 
 
+def cut_window(
+    data: bytes, box: tuple[int, int, int, int], factor: int = 1
+) -> tuple[bytes, tuple[int, int], int, int] | None:
+    """`seek_window` of a seekable JPEG, or None: not one (`restart_layout`), or the box needs
+    the whole image."""
+    layout = restart_layout(data)
+    return None if layout is None else seek_window(data, layout, box, factor)
+
+
 def add_restart_markers(data: bytes) -> bytes | None:
     """`data` rewritten losslessly with a restart marker after every MCU, or None: no
     TurboJPEG 3 library here, not an 8-bit lossy YCbCr or greyscale JPEG the library reads,
@@ -201,18 +222,11 @@ def add_restart_markers(data: bytes) -> bytes | None:
     if lib is None or parsed is None:
         return None
     handle = tj.thread_handle(lib, tj.INIT_TRANSFORM)
-    if not handle or lib.tj3DecompressHeader(handle, data, len(data)) != 0:
+    header = tj.read_header(lib, handle, data)
+    if header is None or handle is None:  # a refused header can spoil the instance: a fresh one
         tj.drop_thread_handle(tj.INIT_TRANSFORM)
         return None
-    width, height = lib.tj3Get(handle, tj.JPEGWIDTH), lib.tj3Get(handle, tj.JPEGHEIGHT)
-    mcu = tj.MCU.get(lib.tj3Get(handle, tj.SUBSAMP))
-    if (
-        mcu is None
-        or lib.tj3Get(handle, tj.PRECISION) != 8
-        or lib.tj3Get(handle, tj.LOSSLESS) != 0
-        or lib.tj3Get(handle, tj.COLORSPACE) not in (tj.CS_YCBCR, tj.CS_GRAY)
-    ):
-        return None
+    width, height, mcu = header
     for parameter in (tj.OPTIMIZE, tj.PROGRESSIVE, tj.ARITHMETIC):  # the header read sets
         lib.tj3Set(handle, parameter, 0)  # them from the source; the tiles share the standard
     tiles = _tiles(lib, handle, data, width, height, mcu)  # Huffman tables, sequential
@@ -283,7 +297,7 @@ def _joined(
             segment[5:9] = struct.pack(">HH", height, width)
         elif marker == 0xDA:
             head += b"\xff\xdd\x00\x04\x00\x01"  # DRI: a restart interval of one MCU
-        elif marker in _OTHER_FRAMES:
+        elif marker in SOF_MARKERS:
             return None
         head += segment
     parts = []
@@ -297,6 +311,6 @@ def _joined(
     index = _INDEX_ID + lengths.astype("<u2").tobytes()
     body = bytearray(b"\xff\xd0".join(parts))
     at = np.cumsum(lengths[:-1] + 2) - 1  # each marker's second byte
-    np.frombuffer(body, np.uint8)[at] = 0xD0 + np.arange(len(at)) % 8
+    np.frombuffer(body, np.uint8)[at] = _NUMBERS[: len(at)]
     app15 = b"\xff\xef" + struct.pack(">H", len(index) + 2) + index
     return bytes(head[:2]) + app15 + bytes(head[2:]) + bytes(body) + b"\xff\xd9"

@@ -27,6 +27,7 @@ __all__ = [
     "Region",
     "Scaling",
     "Transform",
+    "read_header",
     "region_library",
     "thread_handle",
 ]
@@ -156,6 +157,24 @@ def thread_handle(lib: ctypes.CDLL, kind: int) -> int | None:
     if handle is None or handle.lib is not lib:
         handle = handles[kind] = _Handle(lib, kind)
     return handle.pointer
+
+
+def read_header(
+    lib: ctypes.CDLL, pointer: int | None, data: bytes
+) -> tuple[int, int, tuple[int, int]] | None:
+    """(width, height, MCU size in pixels) of a JPEG this library takes: 8-bit, lossy, YCbCr
+    or greyscale, a subsampling it names; None for anything else or a header it refuses."""
+    if not pointer or lib.tj3DecompressHeader(pointer, data, len(data)) != 0:
+        return None
+    mcu = MCU.get(lib.tj3Get(pointer, SUBSAMP))
+    if (
+        mcu is None
+        or lib.tj3Get(pointer, PRECISION) != 8
+        or lib.tj3Get(pointer, LOSSLESS) != 0
+        or lib.tj3Get(pointer, COLORSPACE) not in (CS_YCBCR, CS_GRAY)
+    ):
+        return None
+    return lib.tj3Get(pointer, JPEGWIDTH), lib.tj3Get(pointer, JPEGHEIGHT), mcu
 
 
 def drop_thread_handle(kind: int) -> None:

@@ -153,14 +153,14 @@ def test_train_crops_of_a_seekable_jpeg_are_the_originals(
     if decoder == "whole":
         monkeypatch.setattr(turbojpeg, "_library", [None])
     windows: list[int] = []
-    real = transforms_module.seek_window
+    real = transforms_module.cut_window
 
     def counted(*args: object) -> object:
         window = real(*args)  # type: ignore[arg-type]
         windows.append(window is not None)
         return window
 
-    monkeypatch.setattr(transforms_module, "seek_window", counted)
+    monkeypatch.setattr(transforms_module, "cut_window", counted)
     transform = ImageTransform("train", 64, "jpg", min_scale=0.08)
     for index, (original, seekable) in enumerate(zip(originals, seekables, strict=True)):
         for epoch in range(6):

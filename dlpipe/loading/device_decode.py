@@ -43,7 +43,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from dlpipe.codecs import check_image_pixels, stable_message
 from dlpipe.errors import DlpipeError, FieldDecodeError
-from dlpipe.jpeg_seek import restart_layout, seek_window
+from dlpipe.jpeg_seek import cut_window
 from dlpipe.loading.transforms import (
     SCALABLE_COLORSPACES,
     ImageTransform,
@@ -166,9 +166,8 @@ class PlannedTransform:
 def _windowed(data: bytes, plan: list[int]) -> tuple[bytes, list[int]]:
     """A seekable JPEG (`dlpipe.jpeg_seek`) cut to the MCUs around the train box, and the box
     in the cut: the device decodes (and the batch carries) only those; else as it was."""
-    layout = restart_layout(data)
     top, left, height, width = plan[:4]
-    window = None if layout is None else seek_window(data, layout, (top, left, height, width))
+    window = cut_window(data, (top, left, height, width))
     if window is None:
         return data, plan
     cut, _, top, left = window

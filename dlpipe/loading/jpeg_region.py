@@ -67,18 +67,10 @@ def _decode(
     factor: int,
     box: tuple[int, int, int, int],
 ) -> tuple[np.ndarray, int, int] | None:
-    if not pointer or lib.tj3DecompressHeader(pointer, data, len(data)) != 0:
+    header = tj.read_header(lib, pointer, data)
+    if header is None or header[:2] != tuple(size):
         return None
-    width, height = lib.tj3Get(pointer, tj.JPEGWIDTH), lib.tj3Get(pointer, tj.JPEGHEIGHT)
-    mcu = tj.MCU.get(lib.tj3Get(pointer, tj.SUBSAMP))
-    if (
-        (width, height) != tuple(size)
-        or mcu is None
-        or lib.tj3Get(pointer, tj.PRECISION) != 8
-        or lib.tj3Get(pointer, tj.LOSSLESS) != 0
-        or lib.tj3Get(pointer, tj.COLORSPACE) not in (tj.CS_YCBCR, tj.CS_GRAY)
-    ):
-        return None
+    width, height, mcu = header
     top, left, rows, cols = box
     step, lines = -(-mcu[0] // factor), -(-mcu[1] // factor)  # the scaled iMCU
     # the region's left edge sits on an iMCU boundary (the library's rule), and the region

@@ -52,7 +52,7 @@ from dlpipe.codecs import (
     stable_message,
 )
 from dlpipe.errors import FieldDecodeError
-from dlpipe.jpeg_seek import restart_layout, seek_window
+from dlpipe.jpeg_seek import cut_window
 from dlpipe.loading.jpeg_region import decode_jpeg_region
 from dlpipe.sample import KEY_FIELD, Sample
 
@@ -189,8 +189,7 @@ def decode_jpeg_box(
     scaled = _scaled_box(box, factor, -(-height // factor), -(-width // factor))
     if data[:2] != b"\xff\xd8":
         return None
-    layout = restart_layout(data)
-    window = None if layout is None else seek_window(data, layout, _full(scaled, factor), factor)
+    window = cut_window(data, _full(scaled, factor), factor)
     if window is not None:  # a seekable JPEG: only the MCUs around the box, cut undecoded,
         data, _, top, left = window  # decoded whole (simplejpeg's libjpeg-turbo is the faster)
         scaled = scaled._replace(top=scaled.top - top // factor, left=scaled.left - left // factor)
