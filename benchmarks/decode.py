@@ -70,9 +70,13 @@ from machine import machine_info
 import dlpipe
 from dlpipe.jpeg_seek import add_restart_markers
 from dlpipe.loading.transforms import ImageTransform, dct_factor
+from dlpipe.turbojpeg import region_library
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 Candidate = Callable[[bytes, int], torch.Tensor]
+
+
+_SEEKABLE = region_library() is not None  # --seekable-jpeg needs TurboJPEG 3
 
 
 def large_photo(seed: int, index: int, width: int = 1600, height: int = 1200) -> bytes:
@@ -95,9 +99,9 @@ def seeded(index: int) -> None:
     torch.default_generator.manual_seed(int(key))
 
 
-def candidates(size: int, seekables: list[bytes]) -> dict[str, Candidate]:
+def candidates(size: int, seekables: list[bytes] | None) -> dict[str, Candidate]:
     """Every candidate as (bytes, sample index) → (3, size, size) uint8; `seekables` are the
-    samples rewritten seekable, by index."""
+    samples rewritten seekable, by index (None: no TurboJPEG 3 here to rewrite them)."""
     ops = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
     full = ImageTransform("train", size, "jpg", decode="full")
     crop = ImageTransform("train", size, "jpg")
@@ -137,7 +141,7 @@ def candidates(size: int, seekables: list[bytes]) -> dict[str, Candidate]:
     def dlpipe_crop(data: bytes, index: int) -> torch.Tensor:
         return crop({"jpg": data}, 0, index)[0]
 
-    return {
+    found: dict[str, Candidate] = {
         "torchvision.io": tv_io,
         "pillow": pillow,
         "simplejpeg": sjpeg,
@@ -145,13 +149,16 @@ def candidates(size: int, seekables: list[bytes]) -> dict[str, Candidate]:
         "pillow draft": pillow_draft,
         "dlpipe crop, whole": without_region_decode(dlpipe_crop),
         "dlpipe crop": dlpipe_crop,
-        "dlpipe crop, seekable": lambda data, index: dlpipe_crop(seekables[index], index),
     }
+    if seekables is not None:
+        found["dlpipe crop, seekable"] = lambda data, i: dlpipe_crop(seekables[i], i)
+    return found
 
 
 def measure(datas: list[bytes], size: int, rounds: int) -> dict[str, float]:
     """Samples per CPU-second of each candidate, alternating candidates in rounds."""
-    cands = candidates(size, [add_restart_markers(data) or data for data in datas])
+    seekables = [add_restart_markers(data) or data for data in datas] if _SEEKABLE else None
+    cands = candidates(size, seekables)
     cpu = dict.fromkeys(cands, 0.0)
     for _ in range(rounds):
         for name, fn in cands.items():
@@ -195,8 +202,10 @@ def loader_cpu_per_sample(root: str, epochs: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         plain, seekable = os.path.join(tmp, "lmdb"), os.path.join(tmp, "lmdb-seekable")
         convert_corpus(root, "lmdb", plain)
-        convert_corpus(root, "lmdb", seekable, ("--seekable-jpeg",))
-        modes = {"full": (plain, "full"), "crop": (plain, "crop"), "seekable": (seekable, "crop")}
+        modes = {"full": (plain, "full"), "crop": (plain, "crop")}
+        if _SEEKABLE:
+            convert_corpus(root, "lmdb", seekable, ("--seekable-jpeg",))
+            modes["seekable"] = (seekable, "crop")
         for _ in range(rounds):  # alternate the modes
             for mode, (path, decode) in modes.items():
                 transform = ImageTransform("train", 224, "jpg", decode=decode)
@@ -242,9 +251,14 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "`make_loader` (lmdb, 0 workers, batch 64, 224 px) CPU-ms per sample: "
         f"full {loader['full'] * 1e3:.2f}, crop {loader['crop'] * 1e3:.2f} "
-        f"({loader['full'] / loader['crop']:.2f}x), crop of the `--seekable-jpeg` conversion "
-        f"{loader['seekable'] * 1e3:.2f} ({loader['full'] / loader['seekable']:.2f}x full, "
-        f"{loader['crop'] / loader['seekable']:.2f}x crop).",
+        f"({loader['full'] / loader['crop']:.2f}x)"
+        + (
+            f", crop of the `--seekable-jpeg` conversion {loader['seekable'] * 1e3:.2f} "
+            f"({loader['full'] / loader['seekable']:.2f}x full, "
+            f"{loader['crop'] / loader['seekable']:.2f}x crop)."
+            if "seekable" in loader
+            else " (no TurboJPEG 3 here: no seekable conversion)."
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -738,8 +738,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--seekable",
         nargs="*",
         choices=FORMATS,
-        default=["wds", "lmdb"],
-        help="formats also converted with --seekable-jpeg (default: wds lmdb)",
+        default=["wds", "lmdb"] if region_library() is not None else [],
+        help="formats also converted with --seekable-jpeg (default: wds lmdb where "
+        "TurboJPEG 3 is installed, else none)",
     )
     parser.add_argument("--decode-images", type=int, default=200, help="images per decode pass")
     parser.add_argument("--corpus", help=f"corpus folder (default {DEFAULT_CORPUS}/<images>-s0)")
