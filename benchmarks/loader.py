@@ -663,7 +663,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "The loading process's CPU per sample is everything with 0 workers or threads; with "
         "worker processes it is what receiving their batches costs (unpickling, shared-memory "
-        "handles, merging a stream's leftovers): the IPC.",
+        "handles): the IPC.",
         "",
         "| contender | workers | samples/s | samples per CPU-s | loading process CPU µs "
         "per sample | windows | warm-up s | memory (PSS) MB |",

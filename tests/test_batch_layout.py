@@ -1,19 +1,16 @@
 """Train batches are channels-last in memory, as the resize kernel writes each crop: stacking
 them keeps that order (a copy of contiguous blocks) on every engine, in DataLoader workers,
-and for a stream's leftovers; the pixels are the samples' own."""
+and in a stream's workers; the pixels are the samples' own."""
 
 from __future__ import annotations
 
-from multiprocessing.reduction import ForkingPickler
-
 import pytest
 import torch
-import torch.multiprocessing  # registers the reductions that put tensors in shared memory
 from conftest import batch_list, write_dataset
 
 import dlpipe
 from dlpipe.loading.transforms import CropBox, ImageTransform
-from dlpipe.loading.views import collate, memory_order, pack_rows, unpack_rows
+from dlpipe.loading.views import collate, memory_order
 
 CHANNELS_LAST = torch.channels_last
 
@@ -77,14 +74,6 @@ def test_other_tensors_collate_as_default_collate_does() -> None:
         collate([torch.eye(2).to_sparse()] * 2)
 
 
-def test_a_stream_workers_leftovers_keep_their_layout() -> None:
-    rows = [(hwc_image(i), i) for i in range(3)] + [(hwc_image(9).contiguous(), 9)]
-    back = unpack_rows(ForkingPickler.loads(ForkingPickler.dumps(pack_rows(rows))))
-    for (image, label), (again, label_again) in zip(rows, back, strict=True):
-        assert torch.equal(image, again) and label == label_again
-        assert again.stride() == image.stride()
-
-
 @pytest.mark.parametrize(
     ("fmt", "workers"),
     [
@@ -97,9 +86,9 @@ def test_a_stream_workers_leftovers_keep_their_layout() -> None:
 def test_loader_train_batches_are_channels_last_with_each_samples_crop(
     fmt, workers, tmp_path, samples
 ) -> None:
-    """Full batches from workers (shared memory), from threads, and a wds stream's merged
-    leftovers (shards of 5, batches of 8): each a channels-last batch, with the pixels the
-    loading process makes alone; eval crops (views of channels-last decodes) too."""
+    """Full batches from workers (shared memory), from threads, and a wds stream's workers
+    (shards of 5, batches of 8, a partial last one): each a channels-last batch, with the
+    pixels the loading process makes alone; eval crops (views of channels-last decodes) too."""
     path = write_dataset(tmp_path / "data", fmt, {"train": samples}, max_shard_samples=5)
     options = dict(batch_size=8, image_size=16, profile=None, drop_last=False, seed=4)
     for transform in ("train", "eval"):

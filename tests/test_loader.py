@@ -99,13 +99,13 @@ def test_wds_resume_seeks_past_finished_blocks(make_dataset) -> None:
     ds = dlpipe.open_dataset(make_dataset("wds"))
     order = StreamOrder([len(r) for r in ds.readers], shuffle=True, seed=3, equal_shares=False)
     order.BLOCK_SAMPLES = 3
-    segments = order.segments(0)
-    full = [s["__key__"] for _, s in order.read(ds.readers, segments, 0)]
-    first, second = segments[0].shard, segments[1].shard
-    order.load_state_dict(order.state_at(0, {first: 8, second: 4}))
-    epoch, rest = order.take()
-    tail = [s["__key__"] for _, s in order.read(ds.readers, rest, epoch)]
-    assert rest[0] == (second, 4, 8) and tail == full[8 + 4 :]
+    full = [s["__key__"] for _, s in order.read(ds.readers, order.segments(0), 0)]
+    second = order.segments(0)[1]
+    order.load_state_dict(order.state_at(0, [order.rank_range()], 1, [(0, second.position + 4)]))
+    epoch = order.take(1)
+    segments = order.segments(epoch, order.worker_runs())
+    tail = [s["__key__"] for _, s in order.read(ds.readers, segments, epoch)]
+    assert segments[0][:3] == (second.shard, 4, 8) and tail == full[second.position + 4 :]
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])

@@ -8,7 +8,8 @@ Iteration is split between (rank, world size) and DataLoader workers so that eve
 read exactly once per pass across all of them: random-access formats give each consumer a
 contiguous range of indices; the streaming format (wds) gives each rank an equal run of the
 shard stream and each worker every ``workers``-th of that run's shard segments
-(`dlpipe.loading.order` holds both splits).
+(`dlpipe.loading.order` holds both splits; `make_loader` deals a stream to its workers in
+whole batches instead, so that no batch mixes them).
 Readers open lazily in the process that reads, so the object is safe to hand to fork or spawn
 DataLoader workers.
 

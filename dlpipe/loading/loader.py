@@ -10,12 +10,13 @@ The order and its state are dlpipe's own (`dlpipe.loading.order`), counted in ba
 to the caller, not prefetched: random-access formats (lmdb, hdf5) go through `EpochSampler` in
 the main process, and a state resumes exactly with another ``num_workers``, world size or both
 (the rest of the epoch is the same run of samples, in the new loader's global batches). The
-streaming format (wds) reads whole shard segments in the workers (`StreamOrder`); each batch
-says which shards it holds samples of, the loader keeps a cursor per shard, and a state resumes
+streaming format (wds) is read in the workers (`StreamOrder`), each taking a contiguous stretch
+of whole batches of the rank's run of the epoch's stream; each batch says which runs of stream
+positions it holds, the loader's state is the runs given to the caller, and a state resumes
 exactly with another ``num_workers`` (not another world size, or batch size: refused by name).
-Workers batch their own samples; the few left over at a worker's end are merged into whole
-batches in the main process, so every rank yields ``len(loader)`` batches. Which worker's batch
-comes first depends on ``num_workers``; the samples of the epoch do not.
+Every batch is one worker's, so every rank yields ``len(loader)`` batches with nothing merged
+in the main process. Which batch comes when depends on ``num_workers``; the samples of the
+epoch do not.
 
 The worker settings also choose the engine (torch's worker processes, or the thread engine of
 `dlpipe.loading.threads`: the 0-worker loader with each sample's transform on a pool of
@@ -53,13 +54,13 @@ from dlpipe.loading.config import (
     default_workers,
 )
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
-from dlpipe.loading.order import EpochSampler, StreamOrder
+from dlpipe.loading.order import EpochSampler, Run, StreamOrder, merge_runs
 from dlpipe.loading.profile import LoaderProfile, select_profile
 from dlpipe.loading.stages import Stages, make_stages
 from dlpipe.loading.state import require_equal, require_fields
 from dlpipe.loading.threads import one_torch_thread
 from dlpipe.loading.transforms import ImageTransform, image_field
-from dlpipe.loading.views import MapView, Piece, StreamView, shard_runs, unpack_rows
+from dlpipe.loading.views import MapView, StreamView
 from dlpipe.processes import stop_signals_blocked
 from dlpipe.sample import Sample
 
@@ -107,13 +108,14 @@ class _Pass:
         self.batches = 0
         if isinstance(order, EpochSampler):
             self.start, self.drawn, self.left = order.start, order.drawn, order.remaining()
-        self.cursors = dict(order.cursors) if isinstance(order, StreamOrder) else {}
+        else:
+            self.base, self.workers, self.consumed = order.base, order.workers, order.consumed
 
     def state(self, order: EpochSampler | StreamOrder, batch_size: int) -> dict[str, Any]:
         if isinstance(order, EpochSampler):
             drawn = self.drawn + min(self.batches * batch_size, self.left)
             return order.state_at(self.epoch, self.start, drawn)
-        return order.state_at(self.epoch, self.cursors)
+        return order.state_at(self.epoch, self.base, self.workers, self.consumed)
 
 
 class PreparedLoader(torch.utils.data.DataLoader):
@@ -135,7 +137,7 @@ class PreparedLoader(torch.utils.data.DataLoader):
         self.origin = origin  # where the settings came from: `_worker_settings`
         self._stream = isinstance(dataset, StreamView)
         self._stages = stages
-        if self._stream:  # the workers batch; what they leave over is merged here
+        if self._stream:  # the workers batch
             self._batch_size, self._drop_last = options.pop("batch_size"), options.pop("drop_last")
             options.pop("collate_fn", None)
             options["batch_size"] = None
@@ -182,22 +184,23 @@ class PreparedLoader(torch.utils.data.DataLoader):
         if self._pass is not None:
             self.order.abandon()
         self.order.begin()
+        if isinstance(self.order, StreamOrder):  # the workers take this split with them
+            self.order.split_for(max(self.num_workers, 1))
         progress = _Pass(self.order)
         inner = super().__iter__()
-        if self._stream and self.num_workers > 0:
-            assert isinstance(self.order, StreamOrder)
-            self.order.take()  # the workers took the pass with them
+        if isinstance(self.order, StreamOrder) and self.num_workers > 0:
+            self.order.take(self.num_workers)  # the workers took the pass with them
         self._pass, self._inner = progress, inner
         threads = self._stages.threads
         source = inner if threads is None else threads.batches(inner)
-        # (batch, the shard runs it holds): a stream's cursors move when the caller gets it
-        batches = self._merged(source) if self._stream else ((b, []) for b in source)
+        # (batch, the stream runs it holds): a stream's state moves when the caller gets it
+        batches = source if self._stream else ((b, []) for b in source)
         if self._stages.device is not None:
             batches = self._stages.device.batches(batches)
         return self._counted(_on_one_torch_thread(batches), progress, self._generation)
 
     def _counted(
-        self, batches: Iterator[tuple[Any, list[tuple[int, int]]]], progress: _Pass, generation: int
+        self, batches: Iterator[tuple[Any, list[Run]]], progress: _Pass, generation: int
     ) -> Iterator[Any]:
         while True:
             if generation != self._generation:
@@ -216,37 +219,14 @@ class PreparedLoader(torch.utils.data.DataLoader):
             self._pass = None
             self.order.finish()
 
-    def _merged(self, pieces: Iterator[Piece]) -> Iterator[tuple[Any, list[tuple[int, int]]]]:
-        """Full batches as the workers made them; their leftovers merged into full ones; each
-        with the (shard, count) runs of its samples."""
-        left: list[Any] = []
-        shards: list[int] = []
-        for piece in pieces:
-            if piece.samples is None:
-                yield piece.batch, piece.shards
-                continue
-            left += unpack_rows(piece.samples)
-            shards += [shard for shard, count in piece.shards for _ in range(count)]
-            while len(left) >= self._batch_size:
-                yield self._take_left(left, shards, self._batch_size)
-        if left and not self._drop_last:
-            yield self._take_left(left, shards, len(left))
-
-    def _take_left(
-        self, left: list[Any], shards: list[int], count: int
-    ) -> tuple[Any, list[tuple[int, int]]]:
-        batch, runs = self._stages.collate(left[:count]), shard_runs(shards[:count])
-        del left[:count], shards[:count]
-        return batch, runs
-
     @staticmethod
-    def _note(progress: _Pass, runs: list[tuple[int, int]]) -> None:
-        for shard, count in runs:
-            progress.cursors[shard] = progress.cursors.get(shard, 0) + count
+    def _note(progress: _Pass, runs: list[Run]) -> None:
+        if runs:
+            progress.consumed = merge_runs(progress.consumed + runs)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: the epoch, seed and position (samples consumed globally, or
-        per-shard cursors for wds), plus the dataset's identity; plain data."""
+        the stream runs given for wds), plus the dataset's identity; plain data."""
         if self._pass is None:
             state = self.order.state_dict()
         else:

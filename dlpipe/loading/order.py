@@ -12,9 +12,9 @@ One module decides which samples a reader takes and in what order, for both kind
 - `StreamOrder` (wds: whole-shard streams) shuffles the shard order per epoch, reads each shard
   in blocks of `BLOCK_SAMPLES` shuffled per (seed, epoch, shard, offset), and gives rank ``r``
   the ``r``-th equal run of that stream (a rank reads whole shards, and at most two in part).
-  Within a rank its shard segments are dealt to the DataLoader workers in turn. The state is a
-  cursor per shard (samples yielded to the caller), so it resumes with any worker count; the
-  rank ranges depend on the world size, so another world size is refused.
+  Within a rank each DataLoader worker takes a contiguous stretch of whole batches of it. The
+  state is the runs of stream positions given to the caller, so it resumes with any worker
+  count; the rank ranges depend on the world size, so another world size is refused.
 
 Both take a pass the same way: each pass over an order is one epoch; a pass begun and not
 finished is abandoned by the next one (the next epoch starts, as with a DataLoader), and a
@@ -35,7 +35,16 @@ from dlpipe.errors import ShardCountError
 from dlpipe.loading.state import StateMismatchError, require_equal, require_fields
 from dlpipe.sample import Sample
 
-__all__ = ["EpochSampler", "Segment", "StreamOrder", "reader_part", "worker_part"]
+__all__ = [
+    "EpochSampler",
+    "Run",
+    "Segment",
+    "StreamOrder",
+    "merge_runs",
+    "position_runs",
+    "reader_part",
+    "worker_part",
+]
 
 _ELASTIC_FIX = "make the loader with the seed and shuffle of the run that saved it"
 
@@ -199,18 +208,78 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         self.drawn, self.armed = int(state["partial"]), True
 
 
+Run = tuple[int, int]
+"""Positions ``[start, stop)`` of an epoch's stream."""
+
+
 class Segment(NamedTuple):
-    """Positions ``begin`` (inclusive) to ``end`` of shard ``shard``'s epoch order."""
+    """Positions ``begin`` (inclusive) to ``end`` of shard ``shard``'s epoch order, which are
+    positions ``position`` onwards of the epoch's stream."""
 
     shard: int
     begin: int
     end: int
+    position: int
 
 
 class ShardSource(Protocol):
     """What `StreamOrder` reads from: shard ``i`` streamed from a sample index."""
 
     def iter_from(self, start: int) -> Iterator[Sample]: ...
+
+
+def merge_runs(runs: Iterator[Run] | Sequence[Run]) -> list[Run]:
+    """`runs` (pairs, as tuples or lists) sorted, with touching and overlapping ones joined."""
+    merged: list[Run] = []
+    for start, stop in sorted((int(start), int(stop)) for start, stop in runs):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def position_runs(positions: Sequence[int]) -> list[Run]:
+    """Stream positions (in the order read) as runs of consecutive ones."""
+    runs: list[Run] = []
+    for position in positions:
+        if runs and runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], position + 1)
+        else:
+            runs.append((position, position + 1))
+    return runs
+
+
+def _cut(runs: Sequence[Run], first: int, last: int) -> list[Run]:
+    """The samples `first` to `last` (counted along `runs`) of `runs`, as runs."""
+    out, at = [], 0
+    for start, stop in runs:
+        lo, hi = max(first - at, 0), min(last - at, stop - start)
+        if lo < hi:
+            out.append((start + lo, start + hi))
+        at += stop - start
+    return out
+
+
+def _without(runs: Sequence[Run], taken: Sequence[Run]) -> list[Run]:
+    """`runs` (in their order) less the positions in `taken`."""
+    out = []
+    holes = merge_runs(taken)
+    for start, stop in runs:
+        at = start
+        for hole_start, hole_stop in holes:
+            if hole_stop <= at or hole_start >= stop:
+                continue
+            if hole_start > at:
+                out.append((at, hole_start))
+            at = max(at, hole_stop)
+        if at < stop:
+            out.append((at, stop))
+    return out
+
+
+def _length(runs: Sequence[Run]) -> int:
+    return sum(stop - start for start, stop in runs)
 
 
 class StreamOrder:
@@ -222,6 +291,16 @@ class StreamOrder:
     ``q = total // world_size`` and ``take`` is ``q`` rounded down to whole batches: every rank
     runs the same number of full batches, known from the manifest. For evaluation the ranks
     split the stream into near-equal runs and every sample is read once.
+
+    A pass's readers (the DataLoader's workers, or the one process) split what it reads
+    (``base``: the rank's run, or what a resumed state left) into contiguous stretches of whole
+    batches, one per worker in the DataLoader's round-robin order (`worker_runs`), so each
+    worker batches its own samples and batch ``k`` of the pass is worker ``k % workers``'s.
+    The state is ``base``, the worker count, and the runs given to the caller (``consumed``).
+    Resumed with the same worker count, each worker goes on with its stretch, the workers
+    rotated by the batches given so that the DataLoader's first worker is the one whose batch
+    was next: the rest of the pass is the uninterrupted one, batch for batch. With another
+    count, what is left becomes the new ``base``.
 
     Args:
         shard_sizes: samples per shard, from the manifest.
@@ -253,10 +332,12 @@ class StreamOrder:
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
         self.batch_size, self.equal_shares = batch_size, equal_shares
         self.epoch = 0
-        self.cursors: dict[int, int] = {}  # shard -> samples of its segment yielded this pass
+        self.base = [self.rank_range()]  # what this pass's readers split
+        self.workers = 1  # how many split it
+        self.consumed: list[Run] = []  # the runs given to the caller this pass
         self.armed = True
 
-    def rank_range(self) -> tuple[int, int]:
+    def rank_range(self) -> Run:
         """This rank's run ``[lo, hi)`` of the epoch's stream (the same every epoch)."""
         total, world = sum(self.shard_sizes), self.world_size
         if not self.equal_shares:
@@ -269,37 +350,40 @@ class StreamOrder:
         lo, hi = self.rank_range()
         return hi - lo
 
-    def segments(self, epoch: int) -> list[Segment]:
-        """This rank's whole-epoch segments, in stream order."""
-        lo, hi = self.rank_range()
-        out, at = [], 0
-        for shard in _permutation(self.shuffle, self.seed, epoch, len(self.shard_sizes)):
-            size = self.shard_sizes[int(shard)]
-            begin, end = max(lo, at) - at, min(hi, at + size) - at
-            if begin < end:
-                out.append(Segment(int(shard), begin, end))
-            at += size
+    def segments(self, epoch: int, runs: Sequence[Run] | None = None) -> list[Segment]:
+        """`runs` of `epoch`'s stream (default: this rank's whole run) as shard segments, in
+        order."""
+        out = []
+        shards = _permutation(self.shuffle, self.seed, epoch, len(self.shard_sizes))
+        for lo, hi in [self.rank_range()] if runs is None else runs:
+            at = 0
+            for shard in shards:
+                size = self.shard_sizes[int(shard)]
+                begin, end = max(lo, at) - at, min(hi, at + size) - at
+                if begin < end:
+                    out.append(Segment(int(shard), begin, end, at + begin))
+                at += size
         return out
-
-    def remaining(self, epoch: int, cursors: dict[int, int]) -> list[Segment]:
-        """The segments of `epoch` not yet yielded, given per-shard `cursors`."""
-        return [
-            Segment(s.shard, s.begin + cursors.get(s.shard, 0), s.end)
-            for s in self.segments(epoch)
-            if s.begin + cursors.get(s.shard, 0) < s.end
-        ]
 
     def begin(self) -> None:
         """Fix the next pass: a loaded state, else the next epoch after one begun."""
         if not self.armed:
-            self.epoch, self.cursors = self.epoch + 1, {}
+            self.epoch, self.base, self.consumed = self.epoch + 1, [self.rank_range()], []
         self.armed = True
 
-    def take(self) -> tuple[int, list[Segment]]:
-        """Start the pass (`begin` first if it was not): its epoch and remaining segments."""
+    def split_for(self, workers: int) -> None:
+        """The pass fixed by `begin` is read by `workers` readers: with another count than
+        its state's, what is left is the new base (the round-robin of the old count is gone)."""
+        if workers != self.workers:
+            self.base, self.consumed = _without(self.base, self.consumed), []
+            self.workers = workers
+
+    def take(self, workers: int) -> int:
+        """Start the pass on `workers` readers (`begin` and `split_for` first): its epoch."""
         self.begin()
+        self.split_for(workers)
         self.armed = False
-        return self.epoch, self.remaining(self.epoch, self.cursors)
+        return self.epoch
 
     def abandon(self) -> None:
         """The pass begun is dropped unfinished: `begin` starts the next epoch."""
@@ -308,18 +392,19 @@ class StreamOrder:
     def finish(self) -> None:
         """The pass is over: the next one is the next epoch (no-op if already so)."""
         if not self.armed:
-            self.epoch, self.cursors, self.armed = self.epoch + 1, {}, True
+            self.begin()
 
     def read(
         self, sources: Sequence[ShardSource], segments: Sequence[Segment], epoch: int
     ) -> Iterator[tuple[int, Sample]]:
-        """(shard, sample) for each of `segments`, in the epoch's block-shuffled order."""
+        """(stream position, sample) for each of `segments`, in the epoch's block-shuffled
+        order."""
         for segment in segments:
             samples = self._read(sources[segment.shard], segment, epoch)
-            yield from ((segment.shard, sample) for sample in samples)
+            yield from enumerate(samples, segment.position)
 
     def _read(self, source: ShardSource, segment: Segment, epoch: int) -> Iterator[Sample]:
-        shard, begin, end = segment
+        shard, begin, end, _ = segment
         size, step = self.shard_sizes[shard], self.BLOCK_SAMPLES
         offset = begin // step * step
         # one pass per segment, from its first block: blocks are cut from the same stream
@@ -332,16 +417,42 @@ class StreamOrder:
                 yield from block[max(begin - offset, 0) : end - offset]
                 offset += step
 
-    def worker_segments(self, segments: list[Segment]) -> list[Segment]:
-        """This DataLoader worker's share of `segments`: every ``workers``-th one."""
+    def worker_runs(self) -> list[Run]:
+        """What this DataLoader worker reads of the pass `take` started: its stretch of whole
+        batches of the base less the runs given. The stretches follow the base in worker
+        order, their batch counts within one of each other, the larger first; the base's
+        partial last batch (evaluation) goes to the worker whose turn it is after the full
+        ones. A worker reads whole shards but at most two (and the base's last one for that
+        partial batch), and no batch mixes two workers' samples."""
+        worker, workers = worker_part()
+        size = self.batch_size
+        total = _length(self.base)
+        batches, partial = divmod(total, size)
+        share, extra = divmod(batches, workers)
+        slot = (worker + _length(self.consumed) // size) % workers  # its turn, as uninterrupted
+        first = (slot * share + min(slot, extra)) * size
+        stretch = _cut(self.base, first, first + (share + (slot < extra)) * size)
+        if partial and slot == extra:
+            stretch += _cut(self.base, total - partial, total)
+        return _without(stretch, self.consumed)
+
+    @staticmethod
+    def worker_segments(segments: list[Segment]) -> list[Segment]:
+        """This DataLoader worker's whole shard segments of `segments`: every
+        ``workers``-th one (a plain stream, iterated sample by sample)."""
         worker, workers = worker_part()
         return segments[worker::workers]
 
-    def state_at(self, epoch: int, cursors: dict[int, int]) -> dict[str, Any]:
-        """The state of pass `epoch` with per-shard `cursors` of samples yielded."""
+    def state_at(
+        self, epoch: int, base: Sequence[Run], workers: int, consumed: Sequence[Run]
+    ) -> dict[str, Any]:
+        """The state of pass `epoch`, read from `base` by `workers` readers, in which the
+        caller was given the `consumed` runs."""
         return {
             "epoch": epoch,
-            "cursors": sorted([shard, n] for shard, n in cursors.items() if n),
+            "base": [[start, stop] for start, stop in base],
+            "workers": workers,
+            "consumed": [[start, stop] for start, stop in merge_runs(consumed)],
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shard_sizes": list(self.shard_sizes),
@@ -350,15 +461,16 @@ class StreamOrder:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return self.state_at(self.epoch, self.cursors)
+        return self.state_at(self.epoch, self.base, self.workers, self.consumed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue each partly read shard from its cursor; any worker count.
+        """Continue with the samples the caller was not given; any worker count.
 
         Raises:
-            StateMismatchError: another seed, shuffle, dataset, world size or batch size.
+            StateMismatchError: another seed, shuffle, dataset, world size or batch size, or
+                consumed runs outside this rank's run.
         """
-        fields = ("epoch", "cursors", "seed", "shuffle", "shard_sizes", "world_size", "batch_size")
+        fields = ("epoch", "seed", "shuffle", "shard_sizes", "world_size", "batch_size")
         state = dict(require_fields(state, fields, "stream order"))
         require_equal(state, "seed", self.seed, "stream order", _ELASTIC_FIX)
         require_equal(state, "shuffle", self.shuffle, "stream order", _ELASTIC_FIX)
@@ -372,7 +484,7 @@ class StreamOrder:
             self.world_size,
             "stream order",
             "a wds stream gives each rank its own run of the epoch's shards, so the saved "
-            "shard cursors fit only the saved world size: resume on that many ranks, or "
+            "position fits only the saved world size: resume on that many ranks, or "
             "convert to lmdb or hdf5, which resume on any world size",
         )
         require_equal(
@@ -382,9 +494,54 @@ class StreamOrder:
             "stream order",
             "each rank's samples per epoch are whole batches of the saved size: resume with it",
         )
-        self.epoch = int(state["epoch"])
-        self.cursors = {int(shard): int(n) for shard, n in state["cursors"]}
+        epoch = int(state["epoch"])
+        if "cursors" in state and "consumed" not in state:  # dlpipe 0.1.0: per-shard prefixes
+            state |= {"base": [self.rank_range()], "workers": 0}
+            state["consumed"] = self._cursor_runs(epoch, state["cursors"])
+        state = dict(require_fields(state, ("base", "workers", "consumed"), "stream order"))
+        self.epoch, self.workers = epoch, self._checked_count(state["workers"])
+        self.base = self._checked_runs("base", state["base"])
+        self.consumed = merge_runs(self._checked_runs("consumed", state["consumed"]))
         self.armed = True
+
+    def _cursor_runs(self, epoch: int, cursors: Any) -> list[Run]:
+        """A 0.1.0 state's per-shard cursors (the first n samples of this rank's segment of
+        each shard were given) as the runs of the stream they are."""
+        starts = {s.shard: s.position for s in self.segments(epoch)}
+        try:
+            return [(starts[int(shard)], starts[int(shard)] + int(n)) for shard, n in cursors]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateMismatchError(
+                f"the saved stream order state has cursors={cursors!r}, which are not this "
+                f"rank's shards; {_ELASTIC_FIX}"
+            ) from exc
+
+    def _checked_runs(self, name: str, value: Any) -> list[Run]:
+        """A state's runs: [start, stop] pairs inside this rank's run."""
+        lo, hi = self.rank_range()
+        try:
+            runs = [(int(start), int(stop)) for start, stop in value]
+        except (TypeError, ValueError) as exc:
+            raise StateMismatchError(
+                f"the saved stream order state has {name}={value!r}, not a list of "
+                "[start, stop] pairs; load a state saved by this loader"
+            ) from exc
+        outside = [run for run in runs if not lo <= run[0] < run[1] <= hi]
+        if outside:
+            raise StateMismatchError(
+                f"the saved stream order state has {name} runs {outside} outside this rank's "
+                f"samples [{lo}, {hi}); load a state saved by this rank of this loader"
+            )
+        return runs
+
+    @staticmethod
+    def _checked_count(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StateMismatchError(
+                f"the saved stream order state has workers={value!r}, not a worker count; "
+                "load a state saved by this loader"
+            )
+        return value
 
     def check_ranks(self, path: str, split: str) -> None:
         """Every rank needs at least one sample per epoch (training)."""

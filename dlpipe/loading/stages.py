@@ -27,8 +27,8 @@ class Stages:
     """What runs between a loader's DataLoader and its caller, as its `WorkerSettings` ask.
 
     Attributes:
-        collate: makes a batch of transformed samples (the stream's leftovers are merged
-            with it; the thread engine collates with it).
+        collate: makes a batch of transformed samples (in the DataLoader, or in the thread
+            engine when its transforms resolve).
         threads: the thread engine, resolving the DataLoader's pending batches; None with
             worker processes.
         device: ``decode="cuda"``: decodes each planned batch on the GPU.

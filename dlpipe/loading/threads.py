@@ -116,13 +116,11 @@ def collate_pending(items: list[Future[Any]]) -> PendingBatch:
 
 
 def _resolve(item: Any, collate: Callable[[list[Any]], Any]) -> Any:
-    """A pending batch (or a stream piece holding one, or its leftover futures) collated."""
+    """A pending batch (or a stream piece holding one) collated."""
     if isinstance(item, PendingBatch):
         return collate([future.result() for future in item.futures])
     if isinstance(item, Piece):
-        batch = None if item.batch is None else _resolve(item.batch, collate)
-        samples = None if item.samples is None else [f.result() for f in item.samples]
-        return Piece(batch, samples, item.shards)
+        return Piece(_resolve(item.batch, collate), item.runs)
     return item
 
 
@@ -145,5 +143,5 @@ def _pinned(item: Any, pin: bool) -> Any:
     if not pin:
         return item
     if isinstance(item, Piece):
-        return Piece(None if item.batch is None else pin_memory(item.batch), *item[1:])
+        return Piece(pin_memory(item.batch), item.runs)
     return pin_memory(item)

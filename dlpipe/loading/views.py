@@ -1,9 +1,9 @@
 """The torch datasets a `PreparedLoader` iterates, and the one way a transform is applied.
 
 - `MapView` (lmdb, hdf5): ``view[(epoch, index)]``, the indices drawn by `EpochSampler`.
-- `StreamView` (wds): each worker reads its shard segments along `StreamOrder` and sends
-  pieces (`Piece`): collated full batches, then its last few samples uncollated, each with the
-  (shard, count) runs it holds, which the loader turns into shard cursors and whole batches.
+- `StreamView` (wds): each worker reads its stretch of whole batches along `StreamOrder` and
+  sends them collated (`Piece`), each with the runs of stream positions it holds, which the
+  loader counts into its state when the caller gets the batch.
 
 `apply_transform` gives an `ImageTransform` (and the thread engine's `Deferred`) the epoch and
 index that seed its augmentation, so a resumed loader crops a sample as the uninterrupted one
@@ -16,7 +16,6 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import torch.utils.data
 from torch.utils.data._utils.collate import (  # the registry default_collate documents
@@ -25,7 +24,7 @@ from torch.utils.data._utils.collate import (  # the registry default_collate do
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
 from dlpipe.loading.dataset import MapDataset, StreamDataset
-from dlpipe.loading.order import StreamOrder
+from dlpipe.loading.order import Run, StreamOrder, position_runs, worker_part
 from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = [
@@ -35,10 +34,7 @@ __all__ = [
     "apply_transform",
     "collate",
     "memory_order",
-    "pack_rows",
-    "shard_runs",
     "stack_in_memory_order",
-    "unpack_rows",
 ]
 
 
@@ -57,23 +53,11 @@ class MapView(torch.utils.data.Dataset):
 
 
 class Piece(NamedTuple):
-    """What a stream worker sends: a collated full batch, or its last few samples uncollated
-    (the main process merges them), and the shards they came from as (shard, count) runs."""
+    """What a stream worker sends: a collated batch and the runs of stream positions its
+    samples are (the loader's state counts them when the caller gets the batch)."""
 
     batch: Any
-    samples: Any  # a list of samples, or a worker's `pack_rows` of them; None with a batch
-    shards: list[tuple[int, int]]
-
-
-def shard_runs(shards: list[int]) -> list[tuple[int, int]]:
-    """Each sample's shard as (shard, count) runs of consecutive equal shards."""
-    runs: list[tuple[int, int]] = []
-    for shard in shards:
-        if runs and runs[-1][0] == shard:
-            runs[-1] = (shard, runs[-1][1] + 1)
-        else:
-            runs.append((shard, 1))
-    return runs
+    runs: list[Run]
 
 
 class StreamView(torch.utils.data.IterableDataset):
@@ -108,89 +92,21 @@ class StreamView(torch.utils.data.IterableDataset):
         return cls(dataset, transform, order, collate_fn or collate)
 
     def __iter__(self) -> Iterator[Piece]:
-        epoch, segments = self.order.take()
+        epoch = self.order.take(worker_part()[1])
+        segments = self.order.segments(epoch, self.order.worker_runs())
         size = self.order.batch_size
         batch: list[Any] = []
-        shards: list[int] = []
-        for shard, sample in self.order.read(
-            self.dataset.readers, self.order.worker_segments(segments), epoch
-        ):
+        positions: list[int] = []
+        for position, sample in self.order.read(self.dataset.readers, segments, epoch):
             index = zlib.crc32(str(sample[KEY_FIELD]).encode())
             batch.append(apply_transform(self.transform, sample, epoch, index))
-            shards.append(shard)
+            positions.append(position)
             if len(batch) == size:
-                yield Piece(self.collate(batch), None, shard_runs(shards))
-                batch, shards = [], []
-        if batch:
-            in_worker = torch.utils.data.get_worker_info() is not None
-            rows = pack_rows(batch) if in_worker else batch
-            yield Piece(None, rows, shard_runs(shards))
+                yield Piece(self.collate(batch), position_runs(positions))
+                batch, positions = [], []
+        if batch:  # the last worker's end of an evaluation pass
+            yield Piece(self.collate(batch), position_runs(positions))
         self.order.finish()
-
-
-class _Rows(NamedTuple):
-    """Leftover samples packed by a worker: `pack_rows`'s nested structure, with each tensor
-    as a `_TensorArray`."""
-
-    rows: list[Any]
-
-
-class _TensorArray(NamedTuple):
-    """A tensor carried as its bytes in memory order (`memory_order`; the DataLoader turns
-    numpy arrays back into tensors): `shape` is the permuted tensor's, `order` the
-    permutation (a channels-last image stays channels-last, and its bytes a plain copy)."""
-
-    data: bytes
-    dtype: str
-    shape: tuple[int, ...]
-    order: tuple[int, ...]
-
-
-def pack_rows(rows: list[Any]) -> _Rows:
-    """A stream worker's last few samples (each uncollated) for the trip to the loader, with
-    their tensors as bytes: those pickle into the worker's pipe, where a tensor goes
-    through a shared-memory segment of its own, a file descriptor sent over a socket per
-    tensor (measured: 1.6 ms per 224 px image, a 5 % CPU tax on an 800-image epoch).
-    Full batches keep shared memory: one segment per batch. `unpack_rows` undoes it."""
-    return _Rows([_map_leaves(row, _to_array) for row in rows])
-
-
-def unpack_rows(rows: Any) -> list[Any]:
-    """The samples `pack_rows` packed (a list of unpacked samples passes through as it is)."""
-    if isinstance(rows, _Rows):
-        return [_map_leaves(row, _from_array) for row in rows.rows]
-    return list(rows)
-
-
-def _to_array(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-        order = memory_order(leaf)
-        try:
-            array = leaf.permute(order).numpy()
-        except (TypeError, RuntimeError):  # a dtype numpy has not (bfloat16), or grad
-            return leaf
-        return _TensorArray(array.tobytes(), array.dtype.str, array.shape, order)
-    return leaf
-
-
-def _from_array(leaf: Any) -> Any:
-    if not isinstance(leaf, _TensorArray):
-        return leaf
-    array = np.frombuffer(bytearray(leaf.data), dtype=np.dtype(leaf.dtype))
-    return torch.from_numpy(array.reshape(leaf.shape)).permute(_inverse(leaf.order))
-
-
-def _map_leaves(value: Any, fn: Callable[[Any], Any]) -> Any:
-    """`fn` applied to every leaf of nested tuples (named too), lists and dicts."""
-    if isinstance(value, _TensorArray | torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_leaves(v, fn) for v in value))
-    if isinstance(value, list | tuple):
-        return type(value)(_map_leaves(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_leaves(v, fn) for k, v in value.items()}
-    return fn(value)
 
 
 def apply_transform(
