@@ -4,6 +4,7 @@ sample once (another count); then the same through `make_loader` on a real wds d
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -78,19 +79,25 @@ def test_each_worker_reads_whole_batches_and_the_pass_reads_every_sample_once(
     assert max(counts) - min(counts) <= 1 or not training  # (the partial batch adds one)
 
 
+def resumed_after(make, workers: int, given: list[list[int]], monkeypatch) -> StreamOrder:
+    """A new order (`make()`) loaded with the state that a pass read by `workers` workers
+    saved after the caller got the batches `given`."""
+    reference = make()
+    worker_batches(reference, workers, monkeypatch)
+    resumed = make()
+    resumed.load_state_dict(give(reference, given))
+    return resumed
+
+
 @pytest.mark.parametrize(("sizes", "batch", "training"), CASES)
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_a_resume_with_the_same_workers_goes_on_batch_for_batch(
     sizes, batch, training, workers, monkeypatch
 ) -> None:
-    make = lambda: StreamOrder(sizes, seed=2, batch_size=batch, equal_shares=training)  # noqa: E731
+    make = functools.partial(StreamOrder, sizes, seed=2, batch_size=batch, equal_shares=training)
     whole = round_robin(worker_batches(make(), workers, monkeypatch))
     for given in range(len(whole)):
-        reference = make()
-        worker_batches(reference, workers, monkeypatch)
-        state = give(reference, whole[:given])
-        resumed = make()
-        resumed.load_state_dict(state)
+        resumed = resumed_after(make, workers, whole[:given], monkeypatch)
         assert round_robin(worker_batches(resumed, workers, monkeypatch)) == whole[given:]
         if given + 1 < len(whole):  # a state saved in the resumed pass resumes it too
             again = make()
@@ -103,20 +110,16 @@ def test_a_resume_with_the_same_workers_goes_on_batch_for_batch(
 def test_a_resume_with_other_workers_reads_each_remaining_sample_once_in_whole_batches(
     sizes, batch, training, before, after, monkeypatch
 ) -> None:
-    make = lambda: StreamOrder(sizes, seed=2, batch_size=batch, equal_shares=training)  # noqa: E731
+    make = functools.partial(StreamOrder, sizes, seed=2, batch_size=batch, equal_shares=training)
     whole = round_robin(worker_batches(make(), before, monkeypatch))
     for given in range(len(whole)):
-        reference = make()
-        worker_batches(reference, before, monkeypatch)
-        resumed = make()
-        resumed.load_state_dict(give(reference, whole[:given]))
+        resumed = resumed_after(make, before, whole[:given], monkeypatch)
         rest = round_robin(worker_batches(resumed, after, monkeypatch))
         left = sorted(p for b in whole[given:] for p in b)
         assert sorted(p for b in rest for p in b) == left
         assert all(len(b) == batch for b in rest[:-1])
         assert len(rest) == -(-len(left) // batch)
-        # a state saved in that pass resumes it with the new count, batch for batch
-        if len(rest) > 1:
+        if len(rest) > 1:  # a state saved in that pass resumes it with the new count exactly
             midway = make()
             midway.load_state_dict(give(resumed, rest[:1]))
             assert round_robin(worker_batches(midway, after, monkeypatch)) == rest[1:]
