@@ -132,6 +132,8 @@ def test_a_crafted_stream_state_is_refused_naming_the_field() -> None:
         ("consumed", [[0, 40]], "consumed runs \\[\\(0, 40\\)\\] outside this rank's samples"),
         ("consumed", [[0]], "consumed=\\[\\[0\\]\\], not a list of \\[start, stop\\] pairs"),
         ("base", "x", "base='x', not a list"),
+        ("base", [[8, 16], [0, 8]], "base runs \\(\\(8, 16\\), \\(0, 8\\)\\) out of order"),
+        ("base", [[0, 8], [4, 12]], "overlapping"),
         ("workers", -1, "workers=-1, not a worker count"),
         ("workers", "2", "workers='2', not a worker count"),
     ]:

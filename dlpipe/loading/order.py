@@ -501,6 +501,13 @@ class StreamOrder:
         state = dict(require_fields(state, ("base", "workers", "consumed"), "stream order"))
         self.epoch, self.workers = epoch, self._checked_count(state["workers"])
         self.base = self._checked_runs("base", state["base"])
+        pairs = zip(self.base, self.base[1:], strict=False)  # each run and the next
+        overlapping = [(a, b) for a, b in pairs if b[0] < a[1]]
+        if overlapping:
+            raise StateMismatchError(
+                f"the saved stream order state has base runs {overlapping[0]} out of order or "
+                "overlapping; load a state saved by this loader"
+            )
         self.consumed = merge_runs(self._checked_runs("consumed", state["consumed"]))
         self.armed = True
 
