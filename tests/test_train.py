@@ -51,8 +51,10 @@ def colour_samples(count: int, seed: int) -> list[dict]:
     return out
 
 
-def write_colours(path: Path, fmt: str, train: int = 96, val: int = 13) -> str:
-    limits = dlpipe.ShardLimits(max_shard_samples=16)
+def write_colours(
+    path: Path, fmt: str, train: int = 96, val: int = 13, shard_samples: int = 16
+) -> str:
+    limits = dlpipe.ShardLimits(max_shard_samples=shard_samples)
     with dlpipe.DatasetWriter(out=str(path), format=fmt, classes=list(COLOURS), limits=limits) as w:
         for split, samples in (
             ("train", colour_samples(train, 1)),
@@ -130,20 +132,29 @@ def test_a_tiny_model_learns_a_separable_dataset(colours, tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("fmt", "loader"),
-    [("lmdb", []), ("wds", []), ("wds", ["--engine", "threads", "--num-workers", "2"])],
+    ("fmt", "loader", "reference"),
+    [
+        ("lmdb", [], []),
+        ("wds", [], []),
+        ("wds", ["--engine", "threads", "--num-workers", "2"], []),
+        ("wds", ["--num-workers", "2"], ["--num-workers", "2"]),
+    ],
 )
 def test_resume_replays_the_same_batches_and_reaches_identical_weights(
-    fmt, loader, colours, tmp_path
+    fmt, loader, reference, colours, tmp_path
 ) -> None:
-    """The thread engine's run (interrupted and resumed on threads) ends with the weights of
-    an uninterrupted 0-worker run: its batches are the 0-worker loader's."""
+    """Interrupted mid-epoch and resumed, a run ends with the weights of the uninterrupted
+    `reference` run. The thread engine's batches are the 0-worker loader's; a wds stream on
+    worker processes is batched by the workers in turn (here from shards of 10 samples,
+    batches of 16), so its reference has as many, and the resumed workers go on with their
+    stretches in the same turn."""
+    data = colours[fmt] if not reference else write_colours(tmp_path / fmt, fmt, shard_samples=10)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    assert train(colours[fmt], whole, "--epochs", "3", "--max-steps", "9") == 0
-    assert train(colours[fmt], split, "--epochs", "3", "--max-steps", "4", *loader) == 0
+    assert train(data, whole, "--epochs", "3", "--max-steps", "9", *reference) == 0
+    assert train(data, split, "--epochs", "3", "--max-steps", "3", *loader) == 0
     assert newest(split)["reason"] == "max_steps"
-    assert train(colours[fmt], split, "--epochs", "3", "--max-steps", "9", *loader) == 0
-    if loader:
+    assert train(data, split, "--epochs", "3", "--max-steps", "9", *loader) == 0
+    if "threads" in loader:
         assert 'engine = "threads"' in (split / "config.toml").read_text()
     assert step_losses(split) == step_losses(whole) and len(step_losses(whole)) == 9
     a, b = newest(whole), newest(split)
