@@ -231,3 +231,24 @@ def test_worker_batches_give_every_sample_as_zero_workers_do(workers, tmp_path, 
     loaded = batch_list(dlpipe.make_loader(path, "train", num_workers=workers, **options))
     assert [len(b[0]) for b in loaded] == [16, 16, 8]
     assert per_sample(loaded) == per_sample(inline)
+
+
+def test_a_segment_inside_a_block_reads_only_its_own_samples(stream, monkeypatch) -> None:
+    """Workers' stretches begin and end inside the shuffle's blocks: each reads only its own
+    samples' member data, and gets the samples the whole block's read gives."""
+    from dlpipe.formats import wds
+    from dlpipe.loading.order import Segment
+
+    ds = dlpipe.open_dataset(stream)
+    order = StreamOrder([len(r) for r in ds.readers], seed=4, batch_size=4)
+    whole = [s["__key__"] for _, s in order.read(ds.readers, order.segments(0), 0)]
+    read: list[str] = []
+    real = wds._read_at
+    monkeypatch.setattr(
+        wds, "_read_at", lambda f, member: read.append(member.name) or real(f, member)
+    )
+    shard = order.segments(0)[1]
+    part = Segment(shard.shard, 1, 4, shard.position + 1)  # 3 of a 5-sample block
+    keys = [s["__key__"] for _, s in order.read(ds.readers, [part], 0)]
+    assert keys == whole[shard.position + 1 : shard.position + 4]
+    assert sorted({name.split(".")[0] for name in read}) == sorted(keys)

@@ -22,7 +22,7 @@ import hashlib
 import os
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
@@ -242,10 +242,14 @@ class ShardReader(ABC):
     def __iter__(self) -> Iterator[Sample]:
         """Every sample of the shard, in order."""
 
-    def iter_from(self, start: int) -> Generator[Sample, None, None]:
-        """Samples from index `start` on, without reading the earlier ones."""
+    def iter_from(
+        self, start: int, wanted: Set[int] | None = None
+    ) -> Generator[Sample, None, None]:
+        """Samples from index `start` on, without reading the earlier ones; with `wanted`,
+        only those whose index it holds (the others are not read)."""
         for index in range(start, self.info.samples):
-            yield self.get(index)
+            if wanted is None or index in wanted:
+                yield self.get(index)
 
     def get(self, index: int) -> Sample:
         """Sample `index` (0-based within the shard); random-access formats only."""

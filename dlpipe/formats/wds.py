@@ -29,7 +29,7 @@ import hashlib
 import os
 import sys
 import tarfile
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Set
 from typing import IO, Any, NamedTuple
 
 from dlpipe import storage
@@ -216,12 +216,17 @@ class WdsReader(ShardReader):
     def __iter__(self) -> Iterator[Sample]:
         return self.iter_from(0)
 
-    def iter_from(self, start: int) -> Generator[Sample, None, None]:
-        """Samples from index `start` on; earlier members are seeked over, not read."""
+    def iter_from(
+        self, start: int, wanted: Set[int] | None = None
+    ) -> Generator[Sample, None, None]:
+        """Samples from index `start` on; earlier members are seeked over, not read. With
+        `wanted`, only those whose index it holds: the others' member headers are read and
+        checked, their data seeked over (skipped, in a stream)."""
         position = [start]
         with self._tar(position) as shard:
-            for key, fields in _group(shard, self, start):
-                yield self.make_sample(position[0], key, fields)
+            for key, fields in _group(shard, self, start, wanted=wanted):
+                if wanted is None or position[0] in wanted:
+                    yield self.make_sample(position[0], key, fields)
                 position[0] += 1
         if position[0] != self.info.samples:
             raise self.corrupt(
@@ -358,10 +363,16 @@ def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
 
 
 def _group(
-    shard: _Shard, reader: WdsReader, skip: int = 0, *, read: bool = True
+    shard: _Shard,
+    reader: WdsReader,
+    skip: int = 0,
+    *,
+    read: bool = True,
+    wanted: Set[int] | None = None,
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, fields) of consecutive members; the first `skip` samples' data is never read (nor
-    any with `read` False: the fields then hold empty bytes)."""
+    any with `read` False, nor one whose index `wanted` lacks: the fields then hold empty
+    bytes)."""
     key: str | None = None
     fields: dict[str, bytes] = {}
     index = -1
@@ -374,7 +385,7 @@ def _group(
             key, fields, index = name_key, {}, index + 1
         if field in fields:
             raise reader.corrupt(f"member {member.name!r} appears twice", index)
-        if index < skip or not read:
+        if index < skip or not read or (wanted is not None and index not in wanted):
             fields[field] = b""
             continue
         data = shard.read(member)

@@ -25,8 +25,9 @@ and, when the dataset has class names, its ``cls`` label against ``0..len(classe
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -165,20 +166,31 @@ class CheckedReader:
         return self._checked(self.reader.get(index), index)
 
     def __iter__(self) -> Iterator[Sample]:
-        return self._pass(iter(self.reader), 0)
+        return self._pass(iter(self.reader), itertools.count())
 
-    def iter_from(self, start: int) -> Generator[Sample, None, None]:
-        """Samples from index `start` on (each call is one pass, opened anew)."""
-        return self._pass(self.reader.iter_from(start), start)
+    def iter_from(
+        self, start: int, wanted: Set[int] | None = None
+    ) -> Generator[Sample, None, None]:
+        """Samples from index `start` on (each call is one pass, opened anew); with `wanted`,
+        only those whose index it holds (the others are not read)."""
+        stream = self.reader.iter_from(start, wanted)
+        if wanted is None:
+            return self._pass(stream, itertools.count(start))
+        return self._pass(stream, iter(sorted(i for i in wanted if i >= start)))
 
-    def _pass(self, stream: Iterator[Sample], start: int) -> Generator[Sample, None, None]:
+    def _pass(
+        self, stream: Iterator[Sample], indices: Iterator[int]
+    ) -> Generator[Sample, None, None]:
+        """`stream`'s samples, checked, the first around the shard's opening; `indices`
+        gives each one's index in the shard."""
         try:
             try:
-                first = self._open_with(lambda: next(stream), start)
+                index = next(indices, -1)
+                first = self._open_with(lambda: next(stream), index)
             except StopIteration:
                 return
             yield first
-            for index, sample in enumerate(stream, start + 1):
+            for index, sample in zip(indices, stream, strict=False):
                 yield self._checked(sample, index)
         finally:
             close = getattr(stream, "close", None)

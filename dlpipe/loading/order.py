@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Set
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -225,7 +225,7 @@ class Segment(NamedTuple):
 class ShardSource(Protocol):
     """What `StreamOrder` reads from: shard ``i`` streamed from a sample index."""
 
-    def iter_from(self, start: int) -> Iterator[Sample]: ...
+    def iter_from(self, start: int, wanted: Set[int] | None = None) -> Iterator[Sample]: ...
 
 
 def merge_runs(runs: Iterator[Run] | Sequence[Run]) -> list[Run]:
@@ -404,18 +404,26 @@ class StreamOrder:
             yield from enumerate(samples, segment.position)
 
     def _read(self, source: ShardSource, segment: Segment, epoch: int) -> Iterator[Sample]:
+        """The segment's samples, in epoch order: each block of `BLOCK_SAMPLES` in its
+        shuffled order, from one pass over the shard that reads only the segment's samples
+        (a segment that begins or ends inside a block leaves the block's others unread)."""
         shard, begin, end, _ = segment
         size, step = self.shard_sizes[shard], self.BLOCK_SAMPLES
-        offset = begin // step * step
+        first = begin // step * step
+        blocks = []  # each block's part of the segment: shard indices in epoch order
+        for offset in range(first, end, step):
+            count = min(step, size - offset)
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch, shard, offset]).permutation(count)
+            else:
+                order = np.arange(count)
+            blocks.append((order + offset)[max(begin - offset, 0) : end - offset].tolist())
+        wanted = {index for block in blocks for index in block}
         # one pass per segment, from its first block: blocks are cut from the same stream
-        with contextlib.closing(source.iter_from(offset)) as stream:  # type: ignore[type-var]
-            while offset < end:
-                block = list(itertools.islice(stream, min(step, size - offset)))
-                if self.shuffle:
-                    rng = np.random.default_rng([self.seed, epoch, shard, offset])
-                    block = [block[i] for i in rng.permutation(len(block))]
-                yield from block[max(begin - offset, 0) : end - offset]
-                offset += step
+        with contextlib.closing(source.iter_from(first, wanted)) as stream:  # type: ignore[type-var]
+            for block in blocks:
+                read = dict(zip(sorted(block), itertools.islice(stream, len(block)), strict=True))
+                yield from (read[index] for index in block)
 
     def worker_runs(self) -> list[Run]:
         """What this DataLoader worker reads of the pass `take` started: its stretch of whole
