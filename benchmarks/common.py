@@ -27,7 +27,7 @@ def without_region_decode(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` with dlpipe's region JPEG decode off for each call (``DLPIPE_JPEG_REGION=0``,
     read on every decode): the crop-aware transform decodes the whole image through
     simplejpeg, so the two can be timed side by side in one process."""
-    from dlpipe.loading.jpeg_region import REGION_ENV
+    from dlpipe.turbojpeg import REGION_ENV
 
     def call(*args: Any) -> Any:
         os.environ[REGION_ENV] = "0"

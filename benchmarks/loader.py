@@ -83,9 +83,9 @@ from torchvision.datasets import ImageFolder
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms import v2
 
-from dlpipe.loading.jpeg_region import region_library
 from dlpipe.loading.threads import one_torch_thread
 from dlpipe.machine import cpu_seconds, proportional_set_size, usable_cpus
+from dlpipe.turbojpeg import region_library
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # sibling script

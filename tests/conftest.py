@@ -101,6 +101,15 @@ def batch_list(loader: Any, count: int | None = None) -> list[tuple[Any, Any]]:
     return out
 
 
+def per_sample(batches: list) -> list[tuple[int, bytes]]:
+    """Each sample's (label, pixels), whatever batch and layout it came in."""
+    return sorted(
+        (int(label), image.contiguous().numpy().tobytes())
+        for images, labels in batches
+        for image, label in zip(images, labels, strict=True)
+    )
+
+
 def resumed_rest(make: Callable[[], Any], taken: int) -> tuple[list, list]:
     """The batches after the first `taken` of one uninterrupted pass, and the batches a new
     loader yields after loading the state saved there."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch_list, write_dataset
+from conftest import batch_list, per_sample, write_dataset
 
 import dlpipe
 from dlpipe.loading.transforms import CropBox, ImageTransform
@@ -97,15 +97,6 @@ def test_loader_train_batches_are_channels_last_with_each_samples_crop(
         inline = dlpipe.make_loader(path, "train", num_workers=0, transform=transform, **options)
         assert per_sample(batches) == per_sample(batch_list(inline))
         assert all(images.is_contiguous(memory_format=CHANNELS_LAST) for images, _ in batches)
-
-
-def per_sample(batches: list) -> list[tuple[int, bytes]]:
-    """Each sample's (label, pixels), whatever batch and layout it came in."""
-    return sorted(
-        (int(label), image.contiguous().numpy().tobytes())
-        for images, labels in batches
-        for image, label in zip(images, labels, strict=True)
-    )
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

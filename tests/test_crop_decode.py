@@ -21,7 +21,6 @@ from torchvision.transforms import v2
 import dlpipe
 from dlpipe import turbojpeg
 from dlpipe.codecs import ImageTooLargeError
-from dlpipe.loading import jpeg_region
 from dlpipe.loading import transforms as transforms_module
 from dlpipe.loading.transforms import ImageTransform, dct_factor
 
@@ -144,7 +143,7 @@ def jpeg_decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     extra) and once without it (simplejpeg decodes the whole image at the DCT scale)."""
     if request.param == "whole":
         monkeypatch.setattr(turbojpeg, "_library", [None])
-    elif jpeg_region.region_library() is None:
+    elif turbojpeg.region_library() is None:
         pytest.skip("no TurboJPEG 3 library here: pip install 'dlpipe[jpeg-region]'")
     return str(request.param)
 

@@ -174,9 +174,9 @@ def test_a_machine_without_region_decode_is_told_the_extra_that_gives_it() -> No
 
 
 def test_the_real_probe_finds_what_the_loader_decodes_with(monkeypatch) -> None:
-    from dlpipe.loading import jpeg_region
+    from dlpipe import turbojpeg
 
     found = Probe().jpeg_region_library()
-    assert (found is None) == (jpeg_region.region_library() is None)
-    monkeypatch.setenv(jpeg_region.REGION_ENV, "0")
+    assert (found is None) == (turbojpeg.region_library() is None)
+    monkeypatch.setenv(turbojpeg.REGION_ENV, "0")
     assert Probe().jpeg_region_library() is None

@@ -19,7 +19,8 @@ from PIL import Image
 from test_crop_decode import photo
 
 from dlpipe import turbojpeg
-from dlpipe.loading.jpeg_region import REGION_ENV, decode_jpeg_region, region_library
+from dlpipe.loading.jpeg_region import decode_jpeg_region
+from dlpipe.turbojpeg import REGION_ENV, region_library
 
 needs_library = pytest.mark.skipif(
     region_library() is None, reason="no TurboJPEG 3 here: pip install 'dlpipe[jpeg-region]'"
@@ -146,7 +147,7 @@ def test_no_library_means_no_region(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_environment_turns_it_off() -> None:
-    script = "from dlpipe.loading.jpeg_region import region_library; print(region_library())"
+    script = "from dlpipe.turbojpeg import region_library; print(region_library())"
     env = {**os.environ, REGION_ENV: "0"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr

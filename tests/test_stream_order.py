@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 import torch.utils.data
-from conftest import batch_list, write_dataset
+from conftest import batch_list, per_sample, write_dataset
 
 import dlpipe
 from dlpipe.loading import order as order_module
@@ -210,14 +210,6 @@ def test_a_state_saved_by_dlpipe_0_1_0_resumes(stream) -> None:
     resumed.load_state_dict(old)
     rest = [key for batch in resumed for key in keys(batch)]
     assert sorted(rest) == sorted(whole[5 + 3 :]) and len(rest) == 32
-
-
-def per_sample(batches: list) -> list[tuple[int, bytes]]:
-    return sorted(
-        (int(label), image.numpy().tobytes())
-        for images, labels in batches
-        for image, label in zip(images, labels, strict=True)
-    )
 
 
 @pytest.mark.parametrize("workers", [1, 2])

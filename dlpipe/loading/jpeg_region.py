@@ -24,9 +24,8 @@ import ctypes
 import numpy as np
 
 from dlpipe import turbojpeg as tj
-from dlpipe.turbojpeg import INSTALL_HINT, REGION_ENV, region_library
 
-__all__ = ["INSTALL_HINT", "REGION_ENV", "decode_jpeg_region", "region_library"]
+__all__ = ["decode_jpeg_region"]
 
 _PF_RGB = 0
 
@@ -50,7 +49,7 @@ def decode_jpeg_region(
         TurboJPEG 3 library is here or it does not decode these bytes (another colour space
         or precision, a lossless JPEG, a warning): the caller decodes in full.
     """
-    lib = region_library()
+    lib = tj.region_library()
     if lib is None:
         return None
     decoded = _decode(lib, tj.thread_handle(lib, tj.INIT_DECOMPRESS), data, size, factor, box)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dlpipe.loading.jpeg_region import INSTALL_HINT, region_library
+from dlpipe.turbojpeg import INSTALL_HINT, region_library
 
 if TYPE_CHECKING:  # tune builds these and imports this module
     from dlpipe.loading.tune import StageRates, Trial
