@@ -96,6 +96,7 @@ class PlannedConversion:
     worker: WorkerConfig
     options: dict[str, Any]
     description: dict[str, Any]
+    scan: Scan
 
 
 def plan_conversion(config: ConvertConfig) -> PlannedConversion:
@@ -111,6 +112,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         image_root=wanted.image_root,
         key_col=wanted.key_col,
         keep_empty_classes=wanted.keep_empty_classes,
+        label_from=wanted.label_from,
     )
     source = open_source(config.raw, wanted.kind, options)
     scan = source.scan()
@@ -137,14 +139,22 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
             "label_col": wanted.label_col,
             "image_root": wanted.image_root,
             "key_col": wanted.key_col,
+            "label_from": wanted.label_from,
         },
     )
     return PlannedConversion(
         source=source,
         plan=plan,
-        worker=WorkerConfig(out=out, format=fmt.name, image=image, on_error=config.shards.on_error),
+        worker=WorkerConfig(
+            out=out,
+            format=fmt.name,
+            image=image,
+            on_error=config.shards.on_error,
+            num_classes=len(scan.classes) or None,
+        ),
         options=recorded,
         description={**scan.description, "samples": len(scan.items)},
+        scan=scan,
     )
 
 
@@ -179,7 +189,7 @@ def _with_classes(scan: Scan) -> Scan:
     if min(labels) < 0:
         raise SourceError(f"labels must be >= 0; found {min(labels)}")
     names = tuple(str(i) for i in range(max(labels) + 1))
-    return Scan(classes=names, items=scan.items, description=scan.description)
+    return replace(scan, classes=names)
 
 
 def convert(
@@ -401,6 +411,9 @@ def _finish(
         classes=plan.classes,
         options=planned.options,
         source={**planned.description, "skipped": len(skipped), "shortened_keys": len(shortened)},
+        task=planned.scan.task,
+        field_schemas={n: s for n, s in planned.scan.field_schemas.items() if n in fields},
+        class_ids=planned.scan.class_ids,
     )
     write_manifest(out, manifest)
     return read_manifest(out)

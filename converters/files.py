@@ -5,8 +5,10 @@ dot of the file name (``0001.jpg``, ``0001.json``, ``0001.cls`` → one sample `
 fields ``jpg``, ``json``, ``cls``). An optional ``split`` top folder (``root/train/``,
 ``root/val/``, ``root/test/``) names the split. Every sample must carry the same fields.
 
-Produces one sample per group: the image file (if any, by image suffix) as the image, every
-other file as the field its extension names, lower-cased (``0001.JSON`` → ``json``). A ``cls``
+Produces one sample per group: the image file (if any, by image suffix, with one extension) as
+the image, every other file as the field its extension names, lower-cased (``0001.JSON`` →
+``json``, ``0001.seg.png`` → ``seg.png``: a mask, ``0001.boxes.json`` → ``boxes.json``, checked
+against the image as `dlpipe.annotations` says). A ``cls``
 file is the label (ASCII decimal); ``classes.txt`` at the root, one name per line, names them.
 The key is the group's path relative to its split folder, escaped by the key rule (shortened
 by `dlpipe.sample.make_key` when too long; the item's ``original`` keeps the full name).
@@ -110,7 +112,7 @@ class FilesSource(Source):
                 continue
             head, _, name = rel.rpartition("/")
             stem, _, ext = name.partition(".")
-            field = "image" if image_kind_of_name(name) else ext.lower()
+            field = "image" if image_kind_of_name(name) and "." not in ext else ext.lower()
             try:
                 check_field_name(field)
             except InvalidFieldError as exc:

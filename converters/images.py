@@ -24,7 +24,7 @@ from dlpipe.codecs import ImageTooLargeError, max_image_pixels, open_image, stab
 from dlpipe.converters.source import SampleError
 from dlpipe.jpeg_seek import add_restart_markers
 
-__all__ = ["ImagePolicy", "prepare_image"]
+__all__ = ["ImagePolicy", "PreparedImage", "prepare_image"]
 
 _KINDS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 _PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
@@ -50,8 +50,19 @@ class ImagePolicy:
             raise ValueError(f"--quality {self.quality} must be in 1..100")
 
 
-def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> tuple[bytes, bool]:
-    """Check one encoded image and return (bytes to store, whether it was re-encoded).
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image as stored: its bytes, whether they were re-encoded, and the (width, height)
+    of the source image and of the stored one (they differ after ``--max-side``)."""
+
+    data: bytes
+    reencoded: bool
+    size_in: tuple[int, int]
+    size_out: tuple[int, int]
+
+
+def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> PreparedImage:
+    """Check one encoded image and return it as it is to be stored.
 
     Raises:
         SampleError: the bytes are empty, truncated or not an image Pillow can decode.
@@ -66,16 +77,19 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> tuple[bytes,
             kind = _KINDS.get(image.format or "", "other")
             too_big = policy.max_side is not None and max(image.size) > policy.max_side
             if kind == policy.field and not too_big:
+                size = image.size  # before the draft, which shrinks it
                 if kind == "jpg":
                     image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
                 image.load()
-                return _seekable(data, policy), False
+                return PreparedImage(_seekable(data, policy), False, size, size)
             image.load()
     except ImageTooLargeError as exc:
         raise SampleError(f"{origin}: {exc}") from None
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
         raise SampleError(f"{origin}: not a readable image ({stable_message(exc)})") from exc
-    return _seekable(_encode(_resized(image, policy.max_side), policy), policy), True
+    resized = _resized(image, policy.max_side)
+    stored = _seekable(_encode(resized, policy), policy)
+    return PreparedImage(stored, True, image.size, resized.size)
 
 
 def _seekable(data: bytes, policy: ImagePolicy) -> bytes:

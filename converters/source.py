@@ -137,11 +137,26 @@ class Item:
 
 @dataclass(frozen=True)
 class Scan:
-    """A source's full listing: class names (label index → name) and items."""
+    """A source's full listing: class names (label index → name) and items.
+
+    Attributes:
+        classes: label index → class name.
+        items: every sample.
+        description: where the samples came from (the manifest's ``source``): the layout,
+            why it was chosen, and ``unused`` (what in the raw folder was not read, a count
+            per kind: annotation files, split lists, masks, other).
+        task: what the dataset is for (`dlpipe.annotations.TASKS`), None when unknown.
+        field_schemas: annotation field → its schema (`dlpipe.annotations`), for the manifest.
+        class_ids: the dataset's own id of each class (COCO's gapped category ids, YOLO's
+            ``names`` keys), None when the index is the id.
+    """
 
     classes: tuple[str, ...]
     items: tuple[Item, ...]
     description: dict[str, Any] = field(default_factory=dict)
+    task: str | None = None
+    field_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    class_ids: tuple[int | str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +174,9 @@ class SourceOptions:
     ``id`` when there is one."""
     keep_empty_classes: bool = False
     """Keep class folders that hold no image as classes with no samples (else refused)."""
+    label_from: str | None = None
+    """Labels from image file names (the ``filenames`` source): ``name-prefix`` or a regular
+    expression with one group or a group named ``label`` (see `dlpipe.converters.filenames`)."""
 
 
 class Source(ABC):

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlpipe.annotations import AnnotationError, fit_annotations
 from dlpipe.codecs import stable_message
 from dlpipe.converters.images import ImagePolicy, prepare_image
 from dlpipe.converters.plan import ShardTask
@@ -54,6 +55,8 @@ class WorkerConfig:
     format: str
     image: ImagePolicy
     on_error: str = "skip"
+    num_classes: int | None = None
+    """The class count box labels are checked against (None: not checked)."""
 
 
 @dataclass
@@ -103,15 +106,7 @@ def _samples(
     produced = 0
     for item in task.items:
         try:
-            fields = source.load(item)
-            sample: Sample = {"__key__": item.key}
-            for name, data in fields.items():
-                if name == "image":
-                    data, reencoded = prepare_image(data, config.image, item.origin)
-                    result.reencoded += reencoded
-                    name = config.image.field
-                sample[name] = data
-                result.payload_bytes += len(data)
+            sample = _sample(source.load(item), item.key, item.origin, config, result)
         except SampleError as exc:
             if config.on_error == "fail":
                 raise SampleError(f"{exc} (use --on-error skip to skip such samples)") from exc
@@ -127,3 +122,24 @@ def _samples(
         yield sample
     if not produced:
         raise _EmptyShard
+
+
+def _sample(
+    fields: dict[str, bytes], key: str, origin: str, config: WorkerConfig, result: TaskResult
+) -> Sample:
+    """The stored sample: the image checked (and re-encoded when asked), its annotations
+    checked against it and following a resize."""
+    sample: Sample = {"__key__": key}
+    if "image" in fields:
+        image = prepare_image(fields["image"], config.image, origin)
+        result.reencoded += image.reencoded
+        try:
+            fields = fit_annotations(fields, image.size_in, image.size_out, config.num_classes)
+        except AnnotationError as exc:
+            raise SampleError(f"{origin}: {exc}") from None
+        fields = {config.image.field if n == "image" else n: v for n, v in fields.items()}
+        fields[config.image.field] = image.data
+    for name, data in fields.items():
+        sample[name] = data
+        result.payload_bytes += len(data)
+    return sample

@@ -21,8 +21,13 @@ version 1 (all keys required unless marked optional)::
         }
       },
       "options": {...},                                   # conversion options, free-form JSON
-      "source": {...}                                     # where the samples came from
+      "source": {...},                                    # where the samples came from
+      "task": "detection",                                # optional: what the dataset is for
+      "field_schemas": {"boxes.json": {"kind": "boxes", ...}},  # optional: annotations' kinds
+      "class_ids": [1, 2, 3, 5]                           # optional: the dataset's own class ids
     }
+
+The optional keys are written only when a source knows them (`dlpipe.annotations`).
 
 It never holds timestamps or host names: the same input and options give the same bytes.
 """
@@ -37,6 +42,7 @@ from typing import Any
 
 from dlpipe import storage
 from dlpipe._version import __version__
+from dlpipe.annotations import TASKS, check_field_schemas
 from dlpipe.errors import ManifestError, ManifestNotFoundError
 from dlpipe.sample import check_field_name
 from dlpipe.unfinished import missing_message
@@ -109,6 +115,12 @@ class Manifest:
     options: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
     dlpipe_version: str = __version__
+    task: str | None = None
+    """What the dataset is for (`dlpipe.annotations.TASKS`); None when not known."""
+    field_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Annotation field → its kind and conventions (`dlpipe.annotations`)."""
+    class_ids: tuple[int | str, ...] | None = None
+    """The dataset's own id of each class (COCO's category ids), beside the index."""
 
     def split(self, name: str) -> SplitInfo:
         """The split called `name`, or a `KeyError` that lists the splits there are."""
@@ -131,7 +143,7 @@ class Manifest:
                 entry["fields"] = dict(split.fields)
             entry["shards"] = [asdict(s) for s in split.shards]
             splits[name] = entry
-        return {
+        data: dict[str, Any] = {
             "schema": SCHEMA_NAME,
             "schema_version": SCHEMA_VERSION,
             "dlpipe_version": self.dlpipe_version,
@@ -143,6 +155,13 @@ class Manifest:
             "options": self.options,
             "source": self.source,
         }
+        if self.task is not None:
+            data["task"] = self.task
+        if self.field_schemas:
+            data["field_schemas"] = dict(self.field_schemas)
+        if self.class_ids is not None:
+            data["class_ids"] = list(self.class_ids)
+        return data
 
 
 def write_manifest(folder: str, manifest: Manifest) -> None:
@@ -300,7 +319,30 @@ def _parse(data: dict[str, Any]) -> Manifest:
         options=_object(data["options"], "options"),
         source=_object(data["source"], "source"),
         dlpipe_version=_string(data["dlpipe_version"], "dlpipe_version"),
+        task=_task(data.get("task")),
+        field_schemas=check_field_schemas(data.get("field_schemas", {}), fields),
+        class_ids=_class_ids(data.get("class_ids"), len(classes)),
     )
+
+
+def _task(task: Any) -> str | None:
+    _require(task is None or task in TASKS, f"task {task!r} is not one of {', '.join(TASKS)}")
+    return None if task is None else str(task)
+
+
+def _class_ids(ids: Any, num_classes: int) -> tuple[int | str, ...] | None:
+    if ids is None:
+        return None
+    _require(
+        isinstance(ids, list) and len(ids) == num_classes,
+        f"'class_ids' is not a list of {num_classes} ids, one per class",
+    )
+    _require(
+        all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in ids),
+        "'class_ids' holds an id that is not an integer or a string",
+    )
+    _require(len(set(ids)) == len(ids), "'class_ids' names one id twice")
+    return tuple(ids)
 
 
 def _fields(fields: Any, what: str) -> dict[str, str]:

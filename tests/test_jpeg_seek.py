@@ -252,11 +252,13 @@ def test_convert_makes_re_encoded_jpegs_seekable_too_and_keeps_what_it_cannot_re
     from dlpipe.converters.images import ImagePolicy, prepare_image
 
     policy = ImagePolicy(max_side=64, seekable=True)
-    shrunk, reencoded = prepare_image(photo(300, 200), policy, "a.jpg")
-    assert reencoded and restart_layout(shrunk) is not None
-    from_png, reencoded = prepare_image(photo(90, 70, format="PNG"), policy, "b.png")
-    assert reencoded and restart_layout(from_png) is not None
+    shrunk = prepare_image(photo(300, 200), policy, "a.jpg")
+    assert shrunk.reencoded and restart_layout(shrunk.data) is not None
+    assert (shrunk.size_in, shrunk.size_out) == ((300, 200), (64, 43))
+    from_png = prepare_image(photo(90, 70, format="PNG"), policy, "b.png")
+    assert from_png.reencoded and restart_layout(from_png.data) is not None
     cmyk = photo(48, 40, mode="CMYK")
-    assert prepare_image(cmyk, policy, "c.jpg") == (cmyk, False)
-    kept, _ = prepare_image(photo(120, 90), ImagePolicy(seekable=False), "d.jpg")
+    kept_cmyk = prepare_image(cmyk, policy, "c.jpg")
+    assert (kept_cmyk.data, kept_cmyk.reencoded) == (cmyk, False)
+    kept = prepare_image(photo(120, 90), ImagePolicy(seekable=False), "d.jpg").data
     assert restart_layout(kept) is None
