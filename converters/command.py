@@ -22,7 +22,7 @@ from dlpipe.converters.engine import (
 )
 from dlpipe.converters.plan import Plan
 from dlpipe.converters.worker import TaskResult
-from dlpipe.inspection import format_bytes
+from dlpipe.inspection import duplicates_line, format_bytes, source_lines
 
 __all__ = ["add_convert_parser", "parse_size", "run_convert"]
 
@@ -82,6 +82,8 @@ def _convert_with_progress(config: ConvertConfig, console: Console) -> ConvertRe
         bar = progress.add_task("converting", total=None, samples_per_s=0.0, mb_per_s=0.0, mb=0.0)
 
         def start(plan: Plan) -> None:
+            for line in source_lines(plan.source):
+                console.print(line)
             progress.update(bar, total=sum(len(t.items) for t in plan.tasks))
 
         def advance(result: TaskResult) -> None:
@@ -120,3 +122,6 @@ def _summary(result: ConvertResult, console: Console) -> None:
         )
     else:
         console.print("skipped 0 samples")
+    audit = duplicates_line(result.manifest.source.get("duplicates"))
+    if audit:
+        console.print(audit)

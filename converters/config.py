@@ -31,7 +31,7 @@ from dlpipe.cli import int_in_range, non_negative_int, positive_int
 from dlpipe.converters.sources import SOURCE_KINDS
 from dlpipe.errors import DlpipeError
 from dlpipe.formats import FORMATS
-from dlpipe.formats.writer import ERRORS_NAME
+from dlpipe.formats.writer import DUPLICATES_NAME, ERRORS_NAME
 from dlpipe.machine import usable_cpus
 from dlpipe.turbojpeg import region_library
 from dlpipe.unfinished import CONVERT_OPTION_FLAGS
@@ -271,6 +271,12 @@ class ShardConfig(_Checked):
         default="skip",
         choices=("skip", "fail"),
     )
+    dedup: bool = option(
+        "drop exact and near-duplicate images (within and across splits) before writing, "
+        "keeping one of each group (an evaluation split's copy first); listed in "
+        f"{DUPLICATES_NAME}",
+        default=False,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -390,6 +396,7 @@ class ConvertConfig(_Checked):
             "val_fraction": self.shards.val_fraction,
             "seed": self.shards.seed,
             "on_error": self.shards.on_error,
+            "dedup": self.shards.dedup,
         }
 
 

@@ -19,6 +19,13 @@ from typing import Any
 
 from dlpipe import storage
 from dlpipe.codecs import field_type
+from dlpipe.converters.audit import (
+    DuplicateGroup,
+    Fingerprint,
+    audit_report,
+    find_duplicates,
+    kept_and_dropped,
+)
 from dlpipe.converters.config import (
     ConvertConfig,
     ConvertOptionError,
@@ -31,10 +38,17 @@ from dlpipe.converters.journal import Journal, ResumeError
 from dlpipe.converters.plan import Plan, make_plan
 from dlpipe.converters.source import Scan, SourceError, SourceOptions
 from dlpipe.converters.sources import open_source
-from dlpipe.converters.worker import OutputFullError, TaskResult, WorkerConfig, is_disk_full
+from dlpipe.converters.worker import (
+    OutputFullError,
+    TaskResult,
+    WorkerConfig,
+    audit_task,
+    is_disk_full,
+)
 from dlpipe.errors import DlpipeError, OutputExistsError
 from dlpipe.formats import FORMATS, get_format, require_storage
 from dlpipe.formats.writer import (
+    DUPLICATES_NAME,
     ERRORS_NAME,
     KEYS_NAME,
     class_counts,
@@ -97,6 +111,9 @@ class PlannedConversion:
     options: dict[str, Any]
     description: dict[str, Any]
     scan: Scan
+    dedup_groups: tuple[DuplicateGroup, ...] = ()
+    """``--dedup``'s duplicate groups, found before planning (their extra copies are not in
+    the plan); empty without ``--dedup``, when the writing pass's fingerprints are audited."""
 
 
 def plan_conversion(config: ConvertConfig) -> PlannedConversion:
@@ -112,7 +129,6 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         image_root=wanted.image_root,
         key_col=wanted.key_col,
         keep_empty_classes=wanted.keep_empty_classes,
-        label_from=wanted.label_from,
     )
     source = open_source(config.raw, wanted.kind, options)
     scan = source.scan()
@@ -127,35 +143,69 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         seekable=images.seekable_jpeg,
     )
     recorded = config.output_options(image.field, source.kind)
-    plan = make_plan(
-        scan,
-        fmt=fmt,
-        seed=config.shards.seed,
-        val_fraction=config.shards.val_fraction,
-        shard_bytes=config.shards.shard_bytes,
-        options={
-            **recorded,
-            "image_col": wanted.image_col,
-            "label_col": wanted.label_col,
-            "image_root": wanted.image_root,
-            "key_col": wanted.key_col,
-            "label_from": wanted.label_from,
-        },
+
+    def planned(items: Scan) -> Plan:
+        return make_plan(
+            items,
+            fmt=fmt,
+            seed=config.shards.seed,
+            val_fraction=config.shards.val_fraction,
+            shard_bytes=config.shards.shard_bytes,
+            options={
+                **recorded,
+                "image_col": wanted.image_col,
+                "label_col": wanted.label_col,
+                "image_root": wanted.image_root,
+                "key_col": wanted.key_col,
+            },
+        )
+
+    worker = WorkerConfig(
+        out=out,
+        format=fmt.name,
+        image=image,
+        on_error=config.shards.on_error,
+        num_classes=len(scan.classes) or None,
     )
+    plan = planned(scan)
+    groups: tuple[DuplicateGroup, ...] = ()
+    if config.shards.dedup:
+        groups = _duplicates(source, plan, worker, config)
+        _, dropped = kept_and_dropped(groups)
+        plan = planned(_without(scan, plan, set(dropped)))
+    account: dict[str, Any] = {
+        k: scan.description[k] for k in ("layout", "unused") if k in scan.description
+    }
+    account["kind"] = source.kind
     return PlannedConversion(
         source=source,
-        plan=plan,
-        worker=WorkerConfig(
-            out=out,
-            format=fmt.name,
-            image=image,
-            on_error=config.shards.on_error,
-            num_classes=len(scan.classes) or None,
-        ),
+        plan=replace(plan, source=account),
+        worker=worker,
         options=recorded,
         description={**scan.description, "samples": len(scan.items)},
         scan=scan,
+        dedup_groups=groups,
     )
+
+
+def _duplicates(
+    source: Any, plan: Plan, worker: WorkerConfig, config: ConvertConfig
+) -> tuple[DuplicateGroup, ...]:
+    """``--dedup``'s first pass: every image's fingerprints (read and decoded as the writing
+    pass will), on the conversion's engine, nothing written; the duplicate groups."""
+    engine = config.engine
+    if engine.kind == "ray":
+        results = run_ray(source, plan.tasks, worker, engine.ray_address, job=audit_task)
+    else:
+        results = run_local(source, plan.tasks, worker, engine.workers, job=audit_task)
+    prints = [Fingerprint(r.split, *f) for r in results for f in r.fingerprints]
+    return tuple(find_duplicates(prints))
+
+
+def _without(scan: Scan, plan: Plan, dropped: set[tuple[str, str]]) -> Scan:
+    """`scan` less the items `dropped` names by (split, key) in `plan`."""
+    gone = {id(it) for t in plan.tasks for it in t.items if (t.split, it.key) in dropped}
+    return replace(scan, items=tuple(it for it in scan.items if id(it) not in gone))
 
 
 def check_out_outside_raw(config: ConvertConfig) -> None:
@@ -399,6 +449,7 @@ def _finish(
     splits = {
         n: replace(i, fields=i.fields if i.fields != fields else None) for n, i in splits.items()
     }
+    duplicates = _audit(planned, ordered, out)
     shortened = _shortened_keys(plan, skipped)
     if shortened:
         storage.atomic_write_jsonl(storage.join(out, KEYS_NAME), shortened)
@@ -410,13 +461,33 @@ def _finish(
         splits=splits,
         classes=plan.classes,
         options=planned.options,
-        source={**planned.description, "skipped": len(skipped), "shortened_keys": len(shortened)},
+        source={
+            **planned.description,
+            "skipped": len(skipped),
+            "shortened_keys": len(shortened),
+            "duplicates": duplicates,
+        },
         task=planned.scan.task,
         field_schemas={n: s for n, s in planned.scan.field_schemas.items() if n in fields},
         class_ids=planned.scan.class_ids,
     )
     write_manifest(out, manifest)
     return read_manifest(out)
+
+
+def _audit(planned: PlannedConversion, ordered: list[TaskResult], out: str) -> dict[str, Any]:
+    """The duplicate audit (`dlpipe.converters.audit`): ``duplicates.jsonl`` when any were
+    found (each group, and with ``--dedup`` the copies left out), and the manifest's report."""
+    prints = [Fingerprint(r.split, *f) for r in ordered for f in r.fingerprints]
+    groups = list(planned.dedup_groups) or find_duplicates(prints)
+    kept, dropped = kept_and_dropped(groups) if planned.dedup_groups else ([], [])
+    if groups:
+        records = [g.to_json() for g in groups]
+        for record, keep in zip(records, kept, strict=False):  # kept: with --dedup only
+            record["kept"] = {"split": keep[0], "key": keep[1]}
+        storage.atomic_write_jsonl(storage.join(out, DUPLICATES_NAME), records)
+    audited = len(prints) + len(dropped)
+    return audit_report(groups, dropped=len(dropped), audited=audited)
 
 
 def _shortened_keys(plan: Plan, skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -40,13 +40,22 @@ class WorkerDiedError(EngineError):
     """A worker process died (killed, out of memory, a crash) before its shard was finished."""
 
 
+Job = Callable[[Source, ShardTask, WorkerConfig], TaskResult]
+"""What runs each task: `write_task`, or `audit_task` (``--dedup``'s fingerprint pass)."""
+
+
 def run_local(
-    source: Source, tasks: Sequence[ShardTask], config: WorkerConfig, workers: int
+    source: Source,
+    tasks: Sequence[ShardTask],
+    config: WorkerConfig,
+    workers: int,
+    job: Job = write_task,
 ) -> Iterator[TaskResult]:
-    """Run tasks in `workers` spawned processes (in this process when `workers` is 1)."""
+    """Run `job` on each task in `workers` spawned processes (in this process when `workers`
+    is 1)."""
     if workers <= 1 or len(tasks) <= 1:
         for task in tasks:
-            yield write_task(source, task, config)
+            yield job(source, task, config)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process with threads
     pool = ProcessPoolExecutor(
@@ -58,7 +67,7 @@ def run_local(
     # the submits spawn the workers, which start with these blocked (see worker_init)
     with stop_signals_blocked(_STOP_SIGNALS, start_method="spawn"):
         pending: set[Future[TaskResult]] = {
-            pool.submit(write_task, source, task, config) for task in tasks
+            pool.submit(job, source, task, config) for task in tasks
         }
     with pool, _ctrl_c_deferred() as interrupted:
         try:
@@ -149,9 +158,13 @@ def worker_init(parent_pid: int) -> None:
 
 
 def run_ray(
-    source: Source, tasks: Sequence[ShardTask], config: WorkerConfig, address: str | None
+    source: Source,
+    tasks: Sequence[ShardTask],
+    config: WorkerConfig,
+    address: str | None,
+    job: Job = write_task,
 ) -> Iterator[TaskResult]:
-    """Run each task as a Ray task (one CPU each) on the cluster at `address`."""
+    """Run `job` on each task as a Ray task (one CPU each) on the cluster at `address`."""
     try:
         import ray
     except ImportError:
@@ -168,7 +181,7 @@ def run_ray(
         _write_task_on_node
     )
     source_ref, config_ref = ray.put(source), ray.put(config)
-    pending = [remote.remote(source_ref, task, config_ref) for task in tasks]
+    pending = [remote.remote(job, source_ref, task, config_ref) for task in tasks]
     try:
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -180,12 +193,12 @@ def run_ray(
 
 
 def _write_task_on_node(
-    source: Source, task: ShardTask, config: WorkerConfig
+    job: Job, source: Source, task: ShardTask, config: WorkerConfig
 ) -> tuple[TaskResult, str]:
-    """`write_task` in a Ray task, and the id of the Ray node that wrote the shard."""
+    """`job` in a Ray task, and the id of the Ray node that ran it."""
     import ray
 
-    return write_task(source, task, config), ray.get_runtime_context().get_node_id()
+    return job(source, task, config), ray.get_runtime_context().get_node_id()
 
 
 def _ray_result(ray: object, ref: object) -> TaskResult:
@@ -197,5 +210,5 @@ def _ray_result(ray: object, ref: object) -> TaskResult:
             raise cause from None
         raise
     result, node = got
-    log.info("shard %s written on Ray node %s", result.name, node)
+    log.info("shard task %s ran on Ray node %s", result.name, node)
     return result

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from PIL import Image
 
 from dlpipe.codecs import ImageTooLargeError, max_image_pixels, open_image, stable_message
+from dlpipe.converters.audit import dhash
 from dlpipe.converters.source import SampleError
 from dlpipe.jpeg_seek import add_restart_markers
 
-__all__ = ["ImagePolicy", "PreparedImage", "prepare_image"]
+__all__ = ["ImagePolicy", "PreparedImage", "image_dhash", "prepare_image"]
 
 _KINDS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 _PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
@@ -52,13 +53,15 @@ class ImagePolicy:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """An image as stored: its bytes, whether they were re-encoded, and the (width, height)
-    of the source image and of the stored one (they differ after ``--max-side``)."""
+    """An image as stored: its bytes, whether they were re-encoded, the (width, height) of
+    the source image and of the stored one (they differ after ``--max-side``), and the
+    decoded image's difference hash (`dlpipe.converters.audit.dhash`)."""
 
     data: bytes
     reencoded: bool
     size_in: tuple[int, int]
     size_out: tuple[int, int]
+    dhash: int
 
 
 def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> PreparedImage:
@@ -78,10 +81,9 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> PreparedImag
             too_big = policy.max_side is not None and max(image.size) > policy.max_side
             if kind == policy.field and not too_big:
                 size = image.size  # before the draft, which shrinks it
-                if kind == "jpg":
-                    image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
+                _draft(image)
                 image.load()
-                return PreparedImage(_seekable(data, policy), False, size, size)
+                return PreparedImage(_seekable(data, policy), False, size, size, dhash(image))
             image.load()
     except ImageTooLargeError as exc:
         raise SampleError(f"{origin}: {exc}") from None
@@ -89,7 +91,32 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> PreparedImag
         raise SampleError(f"{origin}: not a readable image ({stable_message(exc)})") from exc
     resized = _resized(image, policy.max_side)
     stored = _seekable(_encode(resized, policy), policy)
-    return PreparedImage(stored, True, image.size, resized.size)
+    fingerprint = image_dhash(data) if image.format == "JPEG" else dhash(image)  # as kept
+    return PreparedImage(stored, True, image.size, resized.size, fingerprint)
+
+
+def _draft(image: Image.Image) -> None:
+    """Let a JPEG decode at 1/8 scale: every coefficient is still read (the integrity check)."""
+    if image.format == "JPEG":
+        image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
+
+
+def image_dhash(data: bytes) -> int:
+    """The difference hash of an encoded image, decoded as the integrity check decodes it (a
+    JPEG at 1/8 scale), so that it is the same whether or not the image is re-encoded.
+
+    Raises:
+        SampleError: the image cannot be decoded, or is over the pixel limit.
+    """
+    try:
+        image = open_image(data, max_image_pixels())
+        _draft(image)
+        image.load()
+        return dhash(image)
+    except ImageTooLargeError as exc:
+        raise SampleError(str(exc)) from None
+    except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
+        raise SampleError(f"not a readable image ({stable_message(exc)})") from exc
 
 
 def _seekable(data: bytes, policy: ImagePolicy) -> bytes:

@@ -44,7 +44,8 @@ class ShardTask:
 
 @dataclass(frozen=True)
 class Plan:
-    """The shard tasks, the class names, and the fingerprint of everything that shaped them.
+    """The shard tasks, the class names, the fingerprint of everything that shaped them, and
+    the source's account of the raw data.
 
     `options` are the options folded into the fingerprint (the journal records them, so a
     refused ``--resume`` can name what changed).
@@ -54,6 +55,9 @@ class Plan:
     tasks: tuple[ShardTask, ...]
     fingerprint: str
     options: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    """What the source said of the raw data: its ``kind``, the ``layout`` it read and why,
+    and what it did not use (``unused``: a count per kind); not part of the fingerprint."""
 
     def splits(self) -> list[str]:
         return list(dict.fromkeys(t.split for t in self.tasks))

@@ -15,7 +15,8 @@ from typing import Any
 
 from dlpipe.annotations import AnnotationError, fit_annotations
 from dlpipe.codecs import stable_message
-from dlpipe.converters.images import ImagePolicy, prepare_image
+from dlpipe.converters.audit import file_digest
+from dlpipe.converters.images import ImagePolicy, image_dhash, prepare_image
 from dlpipe.converters.plan import ShardTask
 from dlpipe.converters.source import SampleError, Source
 from dlpipe.errors import DlpipeError
@@ -24,7 +25,14 @@ from dlpipe.formats.writer import record_shard_intent
 from dlpipe.manifest import ShardInfo
 from dlpipe.sample import Sample
 
-__all__ = ["OutputFullError", "TaskResult", "WorkerConfig", "is_disk_full", "write_task"]
+__all__ = [
+    "OutputFullError",
+    "TaskResult",
+    "WorkerConfig",
+    "audit_task",
+    "is_disk_full",
+    "write_task",
+]
 
 
 class OutputFullError(DlpipeError, OSError):
@@ -71,6 +79,9 @@ class TaskResult:
     reencoded: int = 0
     payload_bytes: int = 0
     fields: list[str] = field(default_factory=list)
+    fingerprints: list[tuple[str, str, int]] = field(default_factory=list)
+    """(key, sha256 of the image file, dhash of the image) of each written sample, for the
+    duplicate audit (`dlpipe.converters.audit`)."""
 
 
 def write_task(source: Source, task: ShardTask, config: WorkerConfig) -> TaskResult:
@@ -93,6 +104,22 @@ def write_task(source: Source, task: ShardTask, config: WorkerConfig) -> TaskRes
             f"{config.out}: the disk filled up while writing shard {task.name} "
             f"({os.strerror(errno.ENOSPC) if exc.errno else exc})"
         ) from None
+    return result
+
+
+def audit_task(source: Source, task: ShardTask, config: WorkerConfig) -> TaskResult:
+    """The fingerprints of the task's images, nothing written (``--dedup``'s first pass).
+
+    A sample that cannot be read is left out here; the writing pass reports it.
+    """
+    result = TaskResult(split=task.split, name=task.name, info=None)
+    for item in task.items:
+        try:
+            data = source.load(item).get("image")
+            if data is not None:
+                result.fingerprints.append((item.key, file_digest(data), image_dhash(data)))
+        except SampleError:
+            continue
     return result
 
 
@@ -133,12 +160,14 @@ def _sample(
     if "image" in fields:
         image = prepare_image(fields["image"], config.image, origin)
         result.reencoded += image.reencoded
+        fingerprint = (key, file_digest(fields["image"]), image.dhash)
         try:
             fields = fit_annotations(fields, image.size_in, image.size_out, config.num_classes)
         except AnnotationError as exc:
             raise SampleError(f"{origin}: {exc}") from None
         fields = {config.image.field if n == "image" else n: v for n, v in fields.items()}
         fields[config.image.field] = image.data
+        result.fingerprints.append(fingerprint)  # a sample that is written
     for name, data in fields.items():
         sample[name] = data
         result.payload_bytes += len(data)

@@ -8,9 +8,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dlpipe.formats.writer import DUPLICATES_NAME
 from dlpipe.manifest import read_manifest
 
-__all__ = ["describe_dataset", "format_bytes", "print_description"]
+__all__ = [
+    "describe_dataset",
+    "duplicates_line",
+    "format_bytes",
+    "print_description",
+    "source_lines",
+]
 
 
 def format_bytes(n: float) -> str:
@@ -46,6 +53,9 @@ def describe_dataset(path: str) -> dict[str, Any]:
         "splits": splits,
         "options": manifest.options,
         "source": manifest.source,
+        "task": manifest.task,
+        "field_schemas": manifest.field_schemas,
+        "class_ids": list(manifest.class_ids) if manifest.class_ids is not None else None,
     }
 
 
@@ -58,6 +68,16 @@ def print_description(info: dict[str, Any], console: Console) -> None:
     )
     fields = ", ".join(f"{_text(k)} ({_text(v)})" for k, v in info["fields"].items())
     console.print(f"fields: {fields}")
+    if info.get("task"):
+        console.print(f"task: {_text(info['task'])}")
+    for name, schema in (info.get("field_schemas") or {}).items():
+        console.print(f"  {_text(name)}: {_text(', '.join(f'{k}={v}' for k, v in schema.items()))}")
+    source = info.get("source") or {}
+    for line in source_lines(source):
+        console.print(line)
+    audit = duplicates_line(source.get("duplicates"))
+    if audit:
+        console.print(audit)
     splits = Table("split", "samples", "shards", "size", "avg/sample", title="splits")
     for name, s in info["splits"].items():
         avg = s["bytes"] / s["samples"] if s["samples"] else 0
@@ -77,8 +97,12 @@ def _classes_table(info: dict[str, Any]) -> Table:
     names = list(info["splits"])
     table = Table("label", "class", *map(_text, names), title=f"{len(info['classes'])} classes")
     counts = [info["splits"][n]["class_counts"] for n in names]
+    ids = info.get("class_ids")
+    if ids is not None:
+        table.add_column("id")
     for label, cls in enumerate(info["classes"]):
-        table.add_row(str(label), _text(cls), *(_count(c, label) for c in counts))
+        own = (_text(ids[label]),) if ids is not None and label < len(ids) else ()
+        table.add_row(str(label), _text(cls), *(_count(c, label) for c in counts), *own)
     return table
 
 
@@ -92,3 +116,41 @@ def _count(counts: Any, label: int) -> str:
 def _text(value: Any) -> str:
     """Dataset text (paths, names) as literal text, never rich markup."""
     return escape(str(value))
+
+
+def source_lines(account: Any) -> list[str]:
+    """What was read and why, and what was not used, as printable lines (escaped: a manifest
+    is untrusted text, and a malformed entry is left out, never an error)."""
+    if not isinstance(account, dict):
+        return []
+    lines = []
+    if "kind" in account:
+        why = f": {account['layout']}" if account.get("layout") else ""
+        lines.append(f"source: {_text(account['kind'])}{_text(why)}")
+    unused = account.get("unused")
+    if isinstance(unused, dict) and any(_count_of(n) for n in unused.values()):
+        counts = ", ".join(f"{_count_of(n)} {_text(k)}" for k, n in unused.items() if _count_of(n))
+        lines.append(f"not used: {counts}")
+    return lines
+
+
+def duplicates_line(report: Any) -> str | None:
+    """The duplicate audit's line (`dlpipe.converters.audit`), or None when none was run."""
+    if not isinstance(report, dict):
+        return None
+    exact, near, groups, leaking, dropped, audited = (
+        _count_of(report.get(k))
+        for k in ("exact", "near", "groups", "leaking", "dropped", "audited")
+    )
+    if not groups:
+        return f"duplicates: none among {audited} images"
+    found = f"{exact} exact and {near} near duplicates"
+    leak = f", [yellow]{leaking} groups across splits (leakage)[/yellow]" if leaking else ""
+    if dropped:
+        return f"duplicates: {found}{leak}; --dedup left out {dropped} copies"
+    return f"duplicates: {found}{leak} (listed in {DUPLICATES_NAME}; --dedup drops them)"
+
+
+def _count_of(value: Any) -> int:
+    """A count from untrusted JSON: a non-negative int, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

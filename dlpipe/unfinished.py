@@ -58,6 +58,7 @@ CONVERT_OPTION_FLAGS = {
     "val_fraction": "--val-fraction",
     "seed": "--seed",
     "on_error": "--on-error",
+    "dedup": "--dedup",
     "engine": "--engine",
     "ray_address": "--ray-address",
     "keep_empty_classes": "--keep-empty-classes",

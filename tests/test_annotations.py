@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +233,24 @@ def test_the_manifest_keeps_task_schema_and_class_ids() -> None:
 def test_a_manifest_with_a_bad_task_schema_or_class_ids_is_refused(extra, rule) -> None:
     with pytest.raises(dlpipe.ManifestError, match=rule):
         parse_manifest(json.dumps(manifest_json(**extra)).encode(), "dlpipe.json")
+
+
+def test_the_readme_reads_boxes_with_plain_webdataset(tmp_path) -> None:
+    """The README's data-model example runs, without dlpipe, in a converted wds folder."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (block,) = [
+        b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "boxes.json" in b
+    ]
+    assert "dlpipe" not in block
+    raw = grouped_files(tmp_path / "raw", {k: [([8, 6, 40, 30], 0)] for k in ("a", "b")})
+    assert convert(raw, tmp_path / "out") == 0
+    done = subprocess.run(
+        [sys.executable, "-c", block + "\nprint(image.size, objects)"],
+        cwd=tmp_path / "out",
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (
+        done.stdout.strip() == "(80, 60) {'boxes': [[8, 6, 40, 30]], 'iscrowd': [0], 'labels': [0]}"
+    )

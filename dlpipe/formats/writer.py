@@ -38,6 +38,7 @@ from dlpipe.sample import sample_fields
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
+    "DUPLICATES_NAME",
     "ERRORS_NAME",
     "JOURNAL_DIR",
     "KEYS_NAME",
@@ -57,11 +58,20 @@ __all__ = [
 DEFAULT_MAX_SHARD_BYTES = 64 << 20
 ERRORS_NAME = "errors.jsonl"
 KEYS_NAME = "keys.jsonl"
+DUPLICATES_NAME = "duplicates.jsonl"
 JOURNAL_DIR = ".dlpipe-journal"
 _TMP_PREFIX = ".dlpipe-tmp-"
 _INTENT_SUFFIX = ".intent"
 _FIXED_NAMES = frozenset(
-    {MANIFEST_NAME, PROFILES_NAME, ERRORS_NAME, KEYS_NAME, JOURNAL_DIR, storage.LOCK_NAME}
+    {
+        MANIFEST_NAME,
+        PROFILES_NAME,
+        ERRORS_NAME,
+        KEYS_NAME,
+        DUPLICATES_NAME,
+        JOURNAL_DIR,
+        storage.LOCK_NAME,
+    }
 )
 _SPLIT_RE = re.compile(r"[A-Za-z0-9_]+")
 _SHARD_FILE_RE = re.compile(
@@ -328,7 +338,7 @@ def prepare_output(out: str, overwrite: bool, planned: Sequence[str] = ()) -> No
     doomed = sorted(owned.intersection(names))
     for name in doomed:
         record_shard_intent(out, name)
-    for name in (MANIFEST_NAME, PROFILES_NAME, ERRORS_NAME, KEYS_NAME, *doomed):
+    for name in (MANIFEST_NAME, PROFILES_NAME, ERRORS_NAME, KEYS_NAME, DUPLICATES_NAME, *doomed):
         if name in names:
             storage.remove(storage.join(out, name))
     remove_staging(out)
