@@ -257,7 +257,9 @@ def fit_annotations(
         num_classes: the dataset's class count, for box labels.
 
     Returns:
-        `fields`, with ``boxes.json`` scaled and ``seg.png`` resized when the sizes differ.
+        `fields`, with ``boxes.json`` scaled and ``seg.png`` resized when the sizes differ, and
+        every other image field of the source image's size resized with it (a single-channel
+        PNG by nearest neighbour, others with Lanczos).
 
     Raises:
         AnnotationError: a box outside the image, a degenerate box, an unknown label, a mask
@@ -271,7 +273,40 @@ def fit_annotations(
             out[BOXES_FIELD] = _scaled_boxes(record, sx, sy)
     if MASK_FIELD in fields:
         out[MASK_FIELD] = _fitted_mask(fields[MASK_FIELD], size_in, size_out)
+    if size_in != size_out:
+        for name, data in fields.items():
+            if name not in ("image", MASK_FIELD) and name.rsplit(".", 1)[-1] in _IMAGE_FORMATS:
+                out[name] = _fitted_image(data, size_in, size_out)
     return out
+
+
+_IMAGE_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
+_LABEL_MODES = ("1", "L", "P", "I", "I;16")
+
+
+def _fitted_image(data: bytes, size_in: tuple[int, int], size_out: tuple[int, int]) -> bytes:
+    """Another image of the sample (a conditioning image, a second view) resized with the main
+    one when it has the main one's size: a single-channel PNG (a label map) by nearest
+    neighbour, anything else with Lanczos, re-encoded in its own format; one of another size
+    is kept as it is."""
+    from PIL import Image
+
+    from dlpipe.codecs import open_image
+
+    try:
+        image = open_image(data)
+        if image.size != size_in:
+            return data
+        image.load()
+    except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
+        raise AnnotationError(f"a second image of the sample is not readable ({exc})") from None
+    label_map = image.format == "PNG" and image.mode in _LABEL_MODES
+    if image.mode == "P" and label_map:
+        image = Image.frombytes("L", image.size, image.tobytes())
+    method = Image.Resampling.NEAREST if label_map else Image.Resampling.LANCZOS
+    buffer = io.BytesIO()
+    image.resize(size_out, method).save(buffer, format=image.format or "PNG", quality=95)
+    return buffer.getvalue()
 
 
 def check_field_schemas(schema: Any, fields: Mapping[str, str]) -> dict[str, dict[str, Any]]:

@@ -116,6 +116,22 @@ def test_a_resize_scales_boxes_and_resizes_masks_by_nearest_neighbour() -> None:
     assert fit_annotations(fields, (80, 60), (80, 60)) == fields  # unchanged bytes
 
 
+def test_a_resize_takes_the_samples_other_images_of_its_size_along() -> None:
+    fields = {
+        "cond.png": label_map(80, 60),
+        "view.jpg": image_bytes(80, 60),
+        "thumb.jpg": image_bytes(20, 15),
+        "json": b"{}",
+    }
+    fitted = fit_annotations(fields, (80, 60), (40, 30))
+    cond = Image.open(io.BytesIO(fitted["cond.png"]))
+    assert (cond.format, cond.mode, cond.size) == ("PNG", "L", (40, 30))
+    assert set(np.unique(np.asarray(cond))) <= {0, 1, 2, 3, 4, 5, 6, 7, 255}  # no blending
+    view = Image.open(io.BytesIO(fitted["view.jpg"]))
+    assert (view.format, view.size) == ("JPEG", (40, 30))
+    assert fitted["thumb.jpg"] == fields["thumb.jpg"] and fitted["json"] == b"{}"
+
+
 @pytest.mark.parametrize(
     ("mask", "rule"),
     [
