@@ -22,6 +22,8 @@ __all__ = ["SOURCE_KINDS", "open_source"]
 SOURCE_KINDS = {
     "cifar": "dlpipe.converters.cifar:CifarSource",
     "mnist": "dlpipe.converters.mnist:MnistSource",
+    "coco": "dlpipe.converters.coco:CocoSource",
+    "hf": "dlpipe.converters.hf_folder:HfFolderSource",
     "table": "dlpipe.converters.table:TableSource",
     "files": "dlpipe.converters.files:FilesSource",
     "imagenet": "dlpipe.converters.imagenet:ImageNetSource",
@@ -30,12 +32,20 @@ SOURCE_KINDS = {
 
 
 # a layout that is a special case of another: matching both is no ambiguity
-_SPECIAL_CASE_OF = {"imagenet": ("imagefolder",)}
+_SPECIAL_CASE_OF = {
+    "imagenet": ("imagefolder",),
+    # an annotated layout's folders (annotations/, train2017/, labels/) are no classes, and a
+    # metadata table that names the images is the layout, not a table beside class folders
+    "coco": ("imagefolder",),
+    "hf": ("imagefolder", "table"),
+}
 
 # why a layout was detected, for the warning when several match
 _WHY = {
     "cifar": "it holds CIFAR batch files",
     "mnist": "it holds MNIST idx files",
+    "coco": "it has annotations/instances_<split>.json (or <split>/_annotations.coco.json)",
+    "hf": "it holds Hugging Face metadata files (metadata.jsonl/csv/parquet, file_name)",
     "files": "its files share stems (key.jpg beside key.json, ...)",
     "imagenet": "it has ImageNet's train/ and val/ synset folders",
     "imagefolder": "its sub-folders read as class folders of images",

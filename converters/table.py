@@ -102,7 +102,7 @@ from dlpipe.converters.table_paths import label_table
 from dlpipe.errors import InvalidKeyError
 from dlpipe.sample import make_key
 
-__all__ = ["TABLE_SUFFIXES", "TableSource", "split_of_name"]
+__all__ = ["TABLE_SUFFIXES", "TableSource", "jsonable", "split_of_name"]
 
 
 def _label_kind(scan: FileScan, bare: frozenset[str | None]) -> str | None:
@@ -274,14 +274,14 @@ def _roles(cols: Columns) -> str:
     return f"image {cols.image!r}, label {cols.label!r}, others {', '.join(cols.extra)}"
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """`value` as plain JSON data, by the rule in the module docstring."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, tuple) and len(v) == 2 for v in value):
-            return {str(k): _jsonable(v) for k, v in value}  # an Arrow map
-        return [_jsonable(v) for v in value]
+            return {str(k): jsonable(v) for k, v in value}  # an Arrow map
+        return [jsonable(v) for v in value]
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if value is None or isinstance(value, (bool, int, str)):
@@ -384,7 +384,7 @@ class TableSource(Source):
             raise SampleError(f"{item.origin}: the row cannot be read from {path} ({exc})") from exc
         fields = {"image": self._image(values[cols.image], image_path, item)}
         if cols.extra:
-            extra = {name: _jsonable(values[name]) for name in cols.extra}
+            extra = {name: jsonable(values[name]) for name in cols.extra}
             text = json.dumps(extra, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
             fields["json"] = text.encode("utf-8")
         return fields
