@@ -6,7 +6,8 @@ decode. Each written sample gets two fingerprints:
 - ``sha256`` of the source file's bytes: equal bytes are an **exact** duplicate.
 - a 64-bit **difference hash** (dHash, as ``imagehash.dhash`` computes it: the greyscale image
   shrunk to 9 x 8 with Lanczos, one bit per horizontally adjacent pair, set where the right
-  pixel is brighter) of the decoded image (a JPEG kept as it is: its reduced-scale draft).
+  pixel is brighter) of the decoded image (a JPEG: the 1/8-scale greyscale draft that the
+  integrity check decodes).
   Two images whose hashes differ in at most `NEAR_BITS` of the 64 bits are a **near**
   duplicate: the same picture re-encoded, resized or slightly recoloured.
 
@@ -52,14 +53,10 @@ _SPLIT_PREFERENCE = {"val": 0, "test": 1, "train": 3}  # other splits: 2
 
 def dhash(image: Image.Image) -> int:
     """The 64-bit difference hash of a decoded image."""
-    small = image.convert("L").resize((9, 8), Image.Resampling.LANCZOS)
-    pixels = small.tobytes()
-    bits = 0
-    for row in range(8):
-        line = pixels[row * 9 : row * 9 + 9]
-        for col in range(8):
-            bits = (bits << 1) | (line[col + 1] > line[col])
-    return bits
+    grey = image if image.mode == "L" else image.convert("L")
+    small = np.frombuffer(grey.resize((9, 8), Image.Resampling.LANCZOS).tobytes(), np.uint8)
+    rows = small.reshape(8, 9)
+    return int.from_bytes(np.packbits(rows[:, 1:] > rows[:, :-1]).tobytes(), "big")
 
 
 def file_digest(data: bytes) -> str:

@@ -96,9 +96,12 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> PreparedImag
 
 
 def _draft(image: Image.Image) -> None:
-    """Let a JPEG decode at 1/8 scale: every coefficient is still read (the integrity check)."""
+    """Let a JPEG decode at 1/8 scale, and a colour one to grey (what the difference hash
+    reads): every coefficient is still entropy-decoded (the integrity check), and the chroma
+    planes' inverse DCT and colour conversion are skipped (about 6 % of the decode)."""
     if image.format == "JPEG":
-        image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
+        mode = "L" if image.mode in ("RGB", "L") else image.mode
+        image.draft(mode, (max(1, image.width // 8), max(1, image.height // 8)))
 
 
 def image_dhash(data: bytes) -> int:
