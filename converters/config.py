@@ -2,7 +2,7 @@
 
     ConvertConfig(raw, to, out, resume, overwrite)
       .source   SourceConfig   --source --image-col --label-col --image-root --key-col
-                               --keep-empty-classes
+                               --keep-empty-classes --label-from
       .images   ImageConfig    --max-side --quality
       .shards   ShardConfig    --shard-size --val-fraction --seed --on-error
       .engine   EngineConfig   --engine --workers --ray-address
@@ -28,6 +28,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from dlpipe.cli import int_in_range, non_negative_int, positive_int
+from dlpipe.converters.filenames import label_rule
 from dlpipe.converters.sources import SOURCE_KINDS
 from dlpipe.errors import DlpipeError
 from dlpipe.formats import FORMATS
@@ -77,6 +78,14 @@ def _fraction(text: str) -> float:
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
     return value
+
+
+def _label_rule(text: str) -> str:
+    try:
+        label_rule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -217,6 +226,23 @@ class SourceConfig(_Checked):
         "keep class folders without images as classes with no samples (else refused)",
         default=False,
     )
+    label_from: str | None = option(
+        "labels from image file names (the filenames source): name-prefix, the name before "
+        "its trailing number (cat.0.jpg: cat; great_pyrenees_173.jpg: great_pyrenees), or a "
+        "regular expression searched in each file name whose one group, or group named label, "
+        "is the label",
+        default=None,
+        parse=_label_rule,
+        metavar="name-prefix|REGEX",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.label_from is not None and self.kind not in ("auto", "filenames"):
+            raise ConvertOptionError(
+                f"--label-from takes labels from image file names, which only --source "
+                f"filenames reads, not --source {self.kind}; drop one of the two"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,7 @@ from dlpipe.converters.images import ImagePolicy
 from dlpipe.converters.journal import Journal, ResumeError
 from dlpipe.converters.plan import Plan, make_plan
 from dlpipe.converters.source import Scan, SourceError, SourceOptions
-from dlpipe.converters.sources import open_source
+from dlpipe.converters.sources import open_source, why_detected
 from dlpipe.converters.worker import (
     OutputFullError,
     TaskResult,
@@ -129,6 +129,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         image_root=wanted.image_root,
         key_col=wanted.key_col,
         keep_empty_classes=wanted.keep_empty_classes,
+        label_from=wanted.label_from,
     )
     source = open_source(config.raw, wanted.kind, options)
     scan = source.scan()
@@ -157,6 +158,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
                 "label_col": wanted.label_col,
                 "image_root": wanted.image_root,
                 "key_col": wanted.key_col,
+                "label_from": wanted.label_from,
             },
         )
 
@@ -177,12 +179,15 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         k: scan.description[k] for k in ("layout", "unused") if k in scan.description
     }
     account["kind"] = source.kind
+    if "layout" not in account:
+        named = wanted.kind != "auto"
+        account["layout"] = "named by --source" if named else why_detected(config.raw, source.kind)
     return PlannedConversion(
         source=source,
         plan=replace(plan, source=account),
         worker=worker,
         options=recorded,
-        description={**scan.description, "samples": len(scan.items)},
+        description={**scan.description, "layout": account["layout"], "samples": len(scan.items)},
         scan=scan,
         dedup_groups=groups,
     )

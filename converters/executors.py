@@ -186,7 +186,7 @@ def run_ray(
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             for ref in done:
-                yield _ray_result(ray, ref)
+                yield _ray_result(ray, ref, "written" if job is write_task else "fingerprinted")
     finally:
         for ref in pending:
             ray.cancel(ref)
@@ -201,7 +201,7 @@ def _write_task_on_node(
     return job(source, task, config), ray.get_runtime_context().get_node_id()
 
 
-def _ray_result(ray: object, ref: object) -> TaskResult:
+def _ray_result(ray: object, ref: object, done: str) -> TaskResult:
     try:
         got: tuple[TaskResult, str] = ray.get(ref)  # type: ignore[attr-defined]
     except Exception as exc:  # a RayTaskError wraps the worker's exception
@@ -210,5 +210,5 @@ def _ray_result(ray: object, ref: object) -> TaskResult:
             raise cause from None
         raise
     result, node = got
-    log.info("shard task %s ran on Ray node %s", result.name, node)
+    log.info("shard %s %s on Ray node %s", result.name, done, node)
     return result

@@ -59,6 +59,8 @@ class FilesSource(Source):
         try:
             for entry in itertools.islice(RawTree(root, listings).files(root, keep=True), 2000):
                 stem, _, ext = entry.name.partition(".")
+                if ext.partition(".")[0].isdigit():  # cat.0.jpg: a label and a number
+                    stem, ext = os.path.splitext(entry.name)
                 stems[os.path.join(os.path.dirname(entry.path), stem)].add(ext)
         except SourceError:
             return False

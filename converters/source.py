@@ -144,7 +144,8 @@ class Scan:
         items: every sample.
         description: where the samples came from (the manifest's ``source``): the layout,
             why it was chosen, and ``unused`` (what in the raw folder was not read, a count
-            per kind: annotation files, split lists, masks, other).
+            per kind: annotation files, split lists, masks, images no split or row names,
+            other).
         task: what the dataset is for (`dlpipe.annotations.TASKS`), None when unknown.
         field_schemas: annotation field → its schema (`dlpipe.annotations`), for the manifest.
         class_ids: the dataset's own id of each class (COCO's gapped category ids, YOLO's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 
+from dlpipe.converters.guard import is_structure, refuse_structure
 from dlpipe.converters.raw_tree import Listings
 from dlpipe.converters.source import (
     IMAGE_SUFFIXES,
@@ -16,15 +17,26 @@ from dlpipe.converters.source import (
     log,
 )
 
-__all__ = ["SOURCE_KINDS", "open_source"]
+__all__ = ["SOURCE_KINDS", "open_source", "why_detected"]
 
 # kind -> "module:Class"; the most specific layouts first, the loosest (class folders) last
 SOURCE_KINDS = {
     "cifar": "dlpipe.converters.cifar:CifarSource",
     "mnist": "dlpipe.converters.mnist:MnistSource",
+    "webdataset": "dlpipe.converters.wds_source:WebDatasetSource",
+    "food101": "dlpipe.converters.splitlist_datasets:Food101Source",
+    "cub200": "dlpipe.converters.splitlist_datasets:Cub200Source",
+    "oxford-pets": "dlpipe.converters.oxford_pets:OxfordPetsSource",
+    "flowers102": "dlpipe.converters.splitlist_mat:Flowers102Source",
+    "stanford-cars": "dlpipe.converters.splitlist_mat:StanfordCarsSource",
+    "voc": "dlpipe.converters.voc:VocSource",
+    "voc-seg": "dlpipe.converters.voc:VocSegmentationSource",
+    "yolo": "dlpipe.converters.yolo:YoloSource",
     "coco": "dlpipe.converters.coco:CocoSource",
     "hf": "dlpipe.converters.hf_folder:HfFolderSource",
     "table": "dlpipe.converters.table:TableSource",
+    "filenames": "dlpipe.converters.filenames:FilenamesSource",
+    "splitlist": "dlpipe.converters.splitlist:SplitListSource",
     "files": "dlpipe.converters.files:FilesSource",
     "imagenet": "dlpipe.converters.imagenet:ImageNetSource",
     "imagefolder": "dlpipe.converters.imagefolder:ImageFolderSource",
@@ -34,6 +46,16 @@ SOURCE_KINDS = {
 # a layout that is a special case of another: matching both is no ambiguity
 _SPECIAL_CASE_OF = {
     "imagenet": ("imagefolder",),
+    "filenames": ("imagefolder",),  # Kaggle's train/ and test1/ are no classes
+    "food101": ("imagefolder",),
+    "cub200": ("imagefolder",),
+    "oxford-pets": ("imagefolder", "filenames"),  # images/ holds Abyssinian_1.jpg, ...
+    "flowers102": ("imagefolder",),
+    "stanford-cars": ("imagefolder",),
+    "splitlist": ("imagefolder",),
+    "voc": ("imagefolder",),  # voc-seg on the same tree is named in the warning
+    "voc-seg": ("imagefolder",),
+    "yolo": ("imagefolder",),
     # an annotated layout's folders (annotations/, train2017/, labels/) are no classes, and a
     # metadata table that names the images is the layout, not a table beside class folders
     "coco": ("imagefolder",),
@@ -44,7 +66,18 @@ _SPECIAL_CASE_OF = {
 _WHY = {
     "cifar": "it holds CIFAR batch files",
     "mnist": "it holds MNIST idx files",
+    "webdataset": "it holds WebDataset .tar shards (at its top or in split folders)",
+    "food101": "it has Food-101's meta/classes.txt and meta/train.txt or test.txt",
+    "cub200": "it has CUB-200-2011's images.txt and train_test_split.txt",
+    "oxford-pets": "it has Oxford-IIIT Pet's annotations/trainval.txt or test.txt",
+    "flowers102": "it has Flowers-102's jpg/, imagelabels.mat and setid.mat",
+    "stanford-cars": "it has Stanford Cars' devkit/cars_meta.mat",
+    "splitlist": "it holds split lists (train.txt, val.txt, test.txt, trainval.txt)",
+    "voc": "it has Pascal VOC's JPEGImages/, Annotations/ and ImageSets/Main/",
+    "voc-seg": "it has Pascal VOC's SegmentationClass/ and ImageSets/Segmentation/",
+    "yolo": "it holds a YOLO data YAML (names, and train/val image folders or lists)",
     "coco": "it has annotations/instances_<split>.json (or <split>/_annotations.coco.json)",
+    "filenames": "its images are named <label>_<number> (cat.0.jpg, Abyssinian_12.jpg)",
     "hf": "it holds Hugging Face metadata files (metadata.jsonl/csv/parquet, file_name)",
     "files": "its files share stems (key.jpg beside key.json, ...)",
     "imagenet": "it has ImageNet's train/ and val/ synset folders",
@@ -52,7 +85,9 @@ _WHY = {
 }
 
 
-def _why(root: str, kind: str) -> str:
+def why_detected(root: str, kind: str) -> str:
+    """Why auto-detection reads `root` as `kind` (the warning when several layouts match, and
+    convert's first lines)."""
     if kind == "table":
         from dlpipe.converters.table import TableSource
 
@@ -79,11 +114,12 @@ def _warn_if_ambiguous(root: str, chosen: str, listings: Listings) -> None:
         for kind in later
         if kind not in _SPECIAL_CASE_OF.get(chosen, ())
         and _source_class(kind).detect(os.path.abspath(root), listings)
+        and not (kind == "imagefolder" and is_structure(root, listings))  # no class folders
     ]
     if not others:
         return
     alternatives = "; ".join(
-        f"it also reads as {kind} ({_why(root, kind)}): give --source {kind} for that"
+        f"it also reads as {kind} ({why_detected(root, kind)}): give --source {kind} for that"
         for kind in others
     )
     log.warning(
@@ -91,7 +127,7 @@ def _warn_if_ambiguous(root: str, chosen: str, listings: Listings) -> None:
         display_path(root),
         chosen,
         chosen,
-        _why(root, chosen),
+        why_detected(root, chosen),
         alternatives,
     )
 
@@ -141,6 +177,8 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
             f"{display_path(root)} is not a folder or a regular file (a FIFO, a device, a "
             "socket?); give the folder (or table file) of raw data"
         )
+    if kind == "auto" and options is not None and options.label_from is not None:
+        kind = "filenames"  # labels from file names: no other source reads them
     if kind != "auto":
         if kind not in SOURCE_KINDS:
             raise SourceError(
@@ -152,6 +190,8 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
     for name in SOURCE_KINDS:
         cls = _source_class(name)
         if cls.detect(absolute, listings):
+            if name == "imagefolder":  # the loosest reading: refuse a dataset's structure
+                refuse_structure(root, listings)
             _warn_if_ambiguous(root, name, listings)
             if name in ("imagefolder", "imagenet"):
                 _warn_of_loose_images(root)

@@ -10,6 +10,7 @@ extra (it goes to ``json``). The rules are stated in `dlpipe.converters.table`.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,7 +66,10 @@ TABLE_SUFFIXES = {
     ".parquet": "parquet",
 }
 _DOC_PREFIXES = ("readme", "license")
-_SUBMISSION_PREFIX = "sample_submission"
+_SUBMISSION_WORD = "samplesubmission"
+_SUBMISSION_NAME = re.compile(
+    r"(example|dummy|test)?submissions?(format|example|template|file|sample)?(v?[0-9]+)?"
+)
 
 
 def _has_table_suffix(path: str) -> bool:
@@ -78,8 +82,20 @@ def is_table(path: str) -> bool:
 
 
 def is_submission(name: str) -> bool:
-    """True for Kaggle's ``sample_submission.csv``: a template of predictions, not data."""
-    return os.path.basename(name).lower().startswith(_SUBMISSION_PREFIX)
+    """True for a competition's submission template (predictions to fill in), never data.
+
+    The file name up to its first dot, lower-cased with every character but letters and digits
+    removed, contains ``samplesubmission`` (``sample_submission.csv``, Kaggle's camelCase
+    ``sampleSubmission.csv``, Zindi's ``SampleSubmission.csv``, ``sample-submission.tsv``,
+    ``sample_submission_v2.csv``, ``stage_1_sample_submission.csv``,
+    ``LOC_sample_submission.csv``), or is ``submission`` with an optional ``example``/
+    ``dummy``/``test`` before and ``format``/``example``/``template``/``file``/``sample`` and a
+    version after (``submission.csv``, DrivenData's ``submission_format.csv``,
+    ``submission_example_v2.parquet``). Any suffix: a ``.csv.zip`` is no table either way.
+    """
+    head = os.path.basename(name).split(".", 1)[0]
+    words = re.sub(r"[^a-z0-9]", "", head.lower())
+    return _SUBMISSION_WORD in words or _SUBMISSION_NAME.fullmatch(words) is not None
 
 
 def _visible(folder: str) -> list[str]:
@@ -124,6 +140,12 @@ def find_tables(root: str) -> list[str]:
         root: one table file, or a folder of them (directly or under ``data/``); other entries
             of the folder (an image folder beside the tables) are ignored.
     """
+    if os.path.isfile(root) and is_submission(root):
+        raise SourceError(
+            f"{display_path(root)}: a submission template (the predictions a competition "
+            "asks for), not labelled data; give the training table (train.csv) or the folder "
+            "that holds it"
+        )
     if os.path.isfile(root):
         files = [root] if is_table(root) else None
     else:

@@ -11,7 +11,8 @@ chosen is logged and recorded in the scan description. A path without an image s
 
 `label_table` tells detection whether a folder's root holds exactly one table whose header has
 an image-path column and a label column (beside it, only tables that name splits, such as
-Kaggle's unlabelled ``test.csv``; ``sample_submission.csv`` is ignored): such a folder is a
+Kaggle's unlabelled ``test.csv``; a submission template, ``sample_submission.csv`` or
+``sampleSubmission.csv`` in any spelling (`is_submission`), is ignored): such a folder is a
 ``table`` layout even with class or image folders beside the table. Headers are read from
 regular files inside the folder only, at most 64 KiB of each.
 """
@@ -195,7 +196,8 @@ def label_table(
     """The one table file at `root`'s top whose header names an image column and a label
     column (by the usual names, any case); None when there is none, or several. Other tables
     may sit beside it only when every table names a split (Kaggle's ``train.csv`` beside
-    ``test.csv``, which has no labels); ``sample_submission.csv`` is no table of the data."""
+    ``test.csv``, which has no labels); a submission template (``sample_submission.csv``,
+    ``sampleSubmission.csv``, ... see `is_submission`) is no table of the data."""
     try:
         names = sorted(n for n in os.listdir(root) if not is_ignored_name(n))
     except OSError:

@@ -62,6 +62,7 @@ CONVERT_OPTION_FLAGS = {
     "engine": "--engine",
     "ray_address": "--ray-address",
     "keep_empty_classes": "--keep-empty-classes",
+    "label_from": "--label-from",
 }
 """`dlpipe convert`'s options that shape a conversion (option -> flag): the ones its printed
 commands repeat, and the only ones a resume hint read from a journal may hold. The converters'

@@ -25,8 +25,13 @@ DLPIPE = str(Path(sys.executable).parent / "dlpipe")
 
 
 def make_raw(root: Path, per_class: int = 6, *, splits: bool = True) -> Path:
-    """Shapes as an ImageFolder: root/{train,val}/<class>/*.jpg, or root/<class>/*.jpg."""
+    """Shapes as an ImageFolder: root/{train,val}/<class>/*.jpg, or root/<class>/*.jpg (also
+    when fewer than 4 per class leave val empty: a lone train/ would read as one class)."""
     pairs = list(split_samples(per_class, seed=1, val_fraction=0.25 if splits else 0))
+    if splits and all(split == "train" for split, _ in pairs):
+        write_imagefolder(str(root.with_name(root.name + "-parts")), pairs)
+        os.replace(root.with_name(root.name + "-parts") / "train", root)
+        return root
     write_imagefolder(str(root), pairs)
     return root / "train" if not splits else root
 
@@ -109,10 +114,8 @@ def test_max_side_reencodes_large_images_keeping_aspect(tmp_path) -> None:
         (raw / "a").mkdir(parents=True, exist_ok=True)
         Image.new("RGB", size, (200, 30, 30)).save(raw / "a" / f"{name}.jpg", quality=90)
     out = tmp_path / "out"
-    assert (
-        run([str(raw), "--to", "lmdb", "--out", str(out), "--max-side", "64", "--quality", "80"])
-        == 0
-    )
+    flags = ["--max-side", "64", "--quality", "80", "--source", "imagefolder"]  # one class
+    assert run([str(raw), "--to", "lmdb", "--out", str(out), *flags]) == 0
     images = {s["__key__"]: Image.open(io.BytesIO(s["jpg"])) for s in read_all(out)}
     assert images["a%2Fbig"].size == (64, 32)
     assert images["a%2Fsmall"].size == (40, 30)

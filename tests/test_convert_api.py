@@ -13,7 +13,7 @@ from dlpipe.synthetic import split_samples, write_imagefolder
 def raw(tmp_path) -> str:
     folder = tmp_path / "raw"
     write_imagefolder(str(folder), list(split_samples(2, seed=0)))  # 8 classes, 16 images
-    return str(folder)
+    return str(folder / "train")  # 2 per class leave val empty: train/ holds the classes
 
 
 def test_convert_writes_a_dataset_open_dataset_reads(raw, tmp_path) -> None:

@@ -202,3 +202,16 @@ def test_inspect_shows_no_audit_line_for_a_malformed_report(tmp_path, capsys, ju
     assert dlpipe.cli.main(["inspect", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "leakage" not in out and "Traceback" not in out
+
+
+def test_convert_names_its_layout_and_counts_what_it_did_not_use(tmp_path, capsys) -> None:
+    raw = leaky_folders(tmp_path / "raw")
+    (raw / "train" / "cat" / "notes.json").write_text("{}")
+    (raw / "train" / "dog" / "Thumbs.txt").write_text("x")
+    (raw / "train" / "dog" / "clip.mp4").write_bytes(b"\0")
+    assert convert(raw, tmp_path / "out") == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "source: imagefolder: its sub-folders read as class folders of images" in printed
+    assert "not used: 2 annotation files, 1 other" in printed
+    source = dlpipe.read_manifest(str(tmp_path / "out")).source
+    assert source["unused"] == {"annotation files": 2, "other": 1}

@@ -114,3 +114,11 @@ def test_the_training_config_example_loads(tmp_path) -> None:
     config = load_config(str(tmp_path / "run.toml"), {})
     assert config.model.name == "resnet50" and config.run.micro_batch == 128
     assert plan_batches(config.run.batch_size, 8, config.run.micro_batch).accumulation == 1
+
+
+def test_the_source_table_lists_every_source_in_detection_order() -> None:
+    from dlpipe.converters.sources import SOURCE_KINDS
+
+    table = README.split("| source | raw layout | samples |", 1)[1].split("\n\n", 1)[0]
+    kinds = re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.M)
+    assert kinds == list(SOURCE_KINDS)

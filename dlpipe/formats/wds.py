@@ -43,7 +43,7 @@ from dlpipe.formats.base import (
 )
 from dlpipe.sample import Sample, check_field_name, check_key
 
-__all__ = ["WDS"]
+__all__ = ["WDS", "RefusedHeaderError", "tar_members"]
 
 _MAX_EXTENDED_HEADER_BYTES = 64 << 10
 _EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME)
@@ -181,8 +181,10 @@ def _tarfile_header(name: str, size: int) -> bytes:
     return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict")
 
 
-class _RefusedHeader(Exception):
-    """Raised from inside tarfile's header parsing, before it reads what a header claims."""
+class RefusedHeaderError(Exception):
+    """A tar header kind dlpipe refuses (a link, a device, a sparse member, an oversized or
+    chained extended header), raised from inside tarfile's header parsing before it reads
+    what the header claims."""
 
 
 class _StrictTarInfo(tarfile.TarInfo):
@@ -192,16 +194,16 @@ class _StrictTarInfo(tarfile.TarInfo):
 
     def _proc_member(self, tarfile: Any) -> Any:
         if self.type in _REFUSED_TYPES:
-            raise _RefusedHeader(f"header at byte {self.offset} is {_REFUSED_TYPES[self.type]}")
+            raise RefusedHeaderError(f"header at byte {self.offset} is {_REFUSED_TYPES[self.type]}")
         if self.type not in _EXTENDED_TYPES:
             return super()._proc_member(tarfile)  # type: ignore[misc]  # private in typeshed
         if self.size > _MAX_EXTENDED_HEADER_BYTES:
-            raise _RefusedHeader(
+            raise RefusedHeaderError(
                 f"extended header at byte {self.offset} claims {self.size} bytes "
                 f"(dlpipe caps them at {_MAX_EXTENDED_HEADER_BYTES})"
             )
         if getattr(tarfile, "_dlpipe_in_extended", False):
-            raise _RefusedHeader(f"extended header at byte {self.offset} follows another one")
+            raise RefusedHeaderError(f"extended header at byte {self.offset} follows another one")
         tarfile._dlpipe_in_extended = True
         try:
             return super()._proc_member(tarfile)  # type: ignore[misc]  # private in typeshed
@@ -248,19 +250,19 @@ class WdsReader(ShardReader):
     @contextlib.contextmanager
     def _tar(self, position: list[int]) -> Iterator[_Shard]:
         """The shard's members and how to read their data; errors become named ones at the
-        sample ``position[0]``. A seekable file is read by `_seekable_members` and member
+        sample ``position[0]``. A seekable file is read by `tar_members` and member
         data is one seek and read at its offset; a stream goes through tarfile's stream mode."""
         self.handle()  # checks the file and its size against the manifest
         try:
             with self._open_file() as f:
                 if f.seekable():
-                    yield _Shard(_seekable_members(f), functools.partial(_read_at, f))
+                    yield _Shard(tar_members(f), functools.partial(_read_at, f))
                 else:
                     with tarfile.open(fileobj=f, mode="r|", tarinfo=_StrictTarInfo) as tar:
                         yield _Shard(_members(tar), functools.partial(_extracted, tar))
         except ShardCorruptError:
             raise
-        except _RefusedHeader as exc:
+        except RefusedHeaderError as exc:
             raise self.unsafe_member(
                 f"{exc}; dlpipe never writes one and refuses it", position[0]
             ) from None
@@ -301,7 +303,7 @@ def _extracted(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
     return stream.read()
 
 
-def _seekable_members(f: IO[bytes]) -> Iterator[tarfile.TarInfo]:
+def tar_members(f: IO[bytes]) -> Iterator[tarfile.TarInfo]:
     """The members of a seekable tar: headers exactly as dlpipe's writer makes them are
     parsed here (`_template_member`, a third of tarfile's cost); from the first other header
     on (pax, GNU, another writer's fields, a bad checksum, the archive's end) tarfile's own
