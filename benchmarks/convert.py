@@ -20,9 +20,15 @@ all cores and with one worker:
 4. **A plain WebDataset copy**: ``webdataset.ShardWriter`` writing ``{"__key__", "jpg": file
    bytes, "cls": label}`` with dlpipe's shard size, one writer per worker over a contiguous
    slice of the files (fork pool). It decodes nothing.
-5. LitData's ``optimize`` (when ``litdata`` imports) at all workers, writing ``{"image": file
+5. **Detection**: the same images laid out as COCO ships them, with a seeded 7.3 boxes per
+   image in ``annotations/instances_train.json`` (``benchmarks/convert_detection.py``),
+   converted by ``dlpipe convert VIEW --to wds --source coco`` (the JSON streamed, every box
+   checked against its image), against the same reference (``--no-detection`` skips it).
+   The duplicate audit's own cost (each image's difference hash and sha256 beside the draft
+   decode, and the grouping of every fingerprint) is timed in this process.
+6. LitData's ``optimize`` (when ``litdata`` imports) at all workers, writing ``{"image": file
    bytes, "label": int}`` with ``chunk_bytes="64MB"``, as a subprocess. It decodes nothing.
-6. ``disk write + fsync``: 64 MB files written and fsync'ed on the output disk (up to 1 GB in
+7. ``disk write + fsync``: 64 MB files written and fsync'ed on the output disk (up to 1 GB in
    all): the write bandwidth that caps the extrapolation to many cores.
 
 Every row records wall seconds, images/s, MB/s and CPU seconds (user + system of this
@@ -75,6 +81,7 @@ from dlpipe.machine import usable_cpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import dlpipe_executable, write_results  # sibling scripts
+from convert_detection import audit_cost, coco_view
 from convert_jobs import (
     DISK_FILE_BYTES,
     copy_and_decode,
@@ -89,7 +96,7 @@ from convert_jobs import (
     warm_up,
     webdataset_copy,
 )
-from convert_report import FORMATS, add_ratios, dlpipe_name, markdown, verdicts
+from convert_report import FORMATS, add_ratios, detection_name, dlpipe_name, markdown, verdicts
 from corpus import DEFAULT_CORPUS, cached_corpus, corpus_files
 from machine import machine_info as shared_machine_info
 
@@ -112,6 +119,8 @@ class Bench:
         self.repeats = repeats
         self.cores = cores
         self.rows: list[dict[str, Any]] = []
+        self.coco_root: str | None = None  # the COCO view, made when first needed
+        self.coco_objects = 0
 
     def out_dir(self, name: str) -> str:
         path = os.path.join(self.work, name)
@@ -212,6 +221,22 @@ class Bench:
             return parse_summary(proc.stdout, len(self.files))
 
         self.measure(dlpipe_name(fmt), workers, run, "dlpipe")
+
+    def coco(self, fmt: str, workers: int) -> None:
+        """The same images as COCO ships them (`convert_detection.coco_view`), boxes and all."""
+        exe = dlpipe_executable()
+        if self.coco_root is None:
+            self.coco_root, self.coco_objects = coco_view(self.files, self.work)
+
+        def run(out: str) -> dict[str, Any]:
+            cmd = [exe, "convert", str(self.coco_root), "--to", fmt, "--source", "coco"]
+            cmd += ["--out", out, "--overwrite", "--workers", str(workers)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
+            return parse_summary(proc.stdout, len(self.files))
+
+        self.measure(detection_name(fmt), workers, run, "dlpipe")
 
     def litdata(self, workers: int) -> None:
         def run(out: str) -> None:
@@ -345,6 +370,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     parser.add_argument("--no-litdata", action="store_true", help="skip LitData's optimize")
     parser.add_argument("--no-webdataset", action="store_true", help="skip the ShardWriter copy")
+    parser.add_argument(
+        "--no-detection", action="store_true", help="skip the COCO detection conversion"
+    )
     parser.add_argument("--profile", action="store_true", help="add a cProfile of --workers 1")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     args = parser.parse_args(argv)
@@ -364,6 +392,8 @@ def run_all(bench: Bench, args: argparse.Namespace) -> str:
             bench.webdataset(workers)
         for fmt in args.formats:
             bench.dlpipe(fmt, workers)
+        if not args.no_detection:
+            bench.coco("wds", workers)
     bench.disk()
     notes = [] if with_wds else ["webdataset: skipped or not installed (`pip install webdataset`)."]
     version = litdata_version()
@@ -393,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(bench.files)
         warmup_s = time.perf_counter() - t0
         notes = run_all(bench, args)
+        audit = audit_cost(bench.files)
         profile, stages = profile_dlpipe(bench.root, work) if args.profile else (None, None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -420,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         "limits": limits,
         "verdict": verdicts(bench.rows, cores, stats),
         "litdata_note": notes,
+        "audit": audit,
+        "coco_objects": bench.coco_objects,
         "profile": profile,
         "profile_stages_s": stages,
         "total_s": time.perf_counter() - started,

@@ -297,7 +297,9 @@ def test_loose_images_beside_split_folders_are_named_in_a_warning(tmp_path, caps
         (raw / name).write_bytes(jpeg(2))
     assert convert(raw, tmp_path / "out") == 0
     printed = capsys.readouterr()
-    lines = [line for line in (printed.out + printed.err).splitlines() if "class folder" in line]
+    printed_lines = (printed.out + printed.err).splitlines()
+    assert "source: imagefolder: its sub-folders read as class folders of images" in printed_lines
+    lines = [line for line in printed_lines if "class folder" in line and "source:" not in line]
     assert len(lines) == 1 and lines[0].startswith("warning: ")
     assert "the 2 image files at its top (stray1.jpg, stray2.png)" in lines[0]
     assert "--source files" in lines[0]

@@ -56,6 +56,12 @@ def check_dataset(config: TrainConfig) -> Manifest:
             f"image classifiers: convert a dataset with a {'/'.join(sorted(IMAGE_EXTENSIONS))} "
             "field"
         )
+    if manifest.task not in (None, "classification"):
+        raise DatasetError(
+            f"{d.path} is a {manifest.task} dataset (its manifest's task; fields: "
+            f"{', '.join(fields)}); dlpipe train trains image classifiers: read its samples with "
+            "dlpipe.open_dataset, or convert a dataset with class labels"
+        )
     if "cls" not in manifest.fields:
         raise DatasetError(
             f"{d.path} has no cls (label) field (fields: {', '.join(fields)}); convert with "
