@@ -130,3 +130,22 @@ def rank_keys(path: str, rank: int, **options: Any) -> list[str]:
         path, batch_size=4, transform=None, rank=rank, world_size=2, **options
     )
     return [str(sample["__key__"]) for batch in loader for sample in batch]
+
+
+def error_records(out: Path | str) -> list[dict]:
+    """The records of a conversion's ``errors.jsonl`` (its skipped samples)."""
+    return [json.loads(line) for line in (Path(out) / "errors.jsonl").read_text().splitlines()]
+
+
+def one_error_line(err: str) -> str:
+    """The one ``error:`` line of a failed command's stderr, which holds no traceback."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def one_error(capsys: pytest.CaptureFixture[str]) -> str:
+    """`one_error_line` of what a command printed, with no traceback on stdout either."""
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out, captured.out
+    return one_error_line(captured.err)

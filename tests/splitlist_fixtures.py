@@ -75,19 +75,6 @@ def samples(out: Path, split: str) -> dict[str, dict]:
     return {unescape_key(s["__key__"]): s for s in dataset}
 
 
-def one_error(capsys: pytest.CaptureFixture[str]) -> str:
-    """The one ``error:`` line of a failed run (``warning:`` lines may come before it)."""
-    captured = capsys.readouterr()
-    lines = [x for x in captured.err.strip().splitlines() if not x.startswith("warning: ")]
-    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
-    assert "Traceback" not in captured.err + captured.out
-    return lines[0]
-
-
-def errors(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
-
-
 def image_of(sample: dict) -> Image.Image:
     return Image.open(io.BytesIO(sample["jpg"] if "jpg" in sample else sample["png"]))
 

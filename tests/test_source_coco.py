@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import error_records
 from PIL import Image
 
 import dlpipe
@@ -338,10 +339,6 @@ def test_stream_reads_what_json_load_reads_across_buffer_edges(
     assert found.objects == expected and found.masks == len(data["annotations"])
 
 
-def _errors(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
-
-
 def _one_error(capsys, *, warnings: bool = False) -> str:
     """The one ``error:`` line on stderr (with `warnings`, after any ``warning:`` lines)."""
     captured = capsys.readouterr()
@@ -405,7 +402,7 @@ def test_bad_annotation_skips_only_its_image(tmp_path: Path, case: str, capsys) 
     out = tmp_path / "out"
     assert convert(raw, out) == 0
     assert "skipped 1 samples" in capsys.readouterr().out
-    (error,) = _errors(out)
+    (error,) = error_records(out)
     assert unescape_key(error["key"]) == key and expected in error["error"], error
     manifest = dlpipe.read_manifest(str(out))
     assert manifest.splits["train"].samples == 3 and manifest.source["skipped"] == 1

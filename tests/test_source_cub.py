@@ -6,15 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import error_records, one_error
 from splitlist_fixtures import (
     CUB_CLASSES,
     CUB_FLAGS,
     convert,
     cub_box,
     cub_image,
-    errors,
     make_cub,
-    one_error,
     samples,
     write,
 )
@@ -116,7 +115,7 @@ def test_one_bad_image_is_one_skipped_sample(tmp_path: Path, case: str, capsys) 
     image_id, expected = _break_sample(cub, case)
     out = tmp_path / "out"
     assert convert(cub, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert unescape_key(error["key"]) == cub_image(image_id).rsplit(".", 1)[0]
     assert expected in error["error"], error
     manifest = dlpipe.read_manifest(str(out))

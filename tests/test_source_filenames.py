@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line
 from PIL import Image
 
 import dlpipe
@@ -55,12 +56,6 @@ def pets_images(root: Path, breeds: tuple[str, ...] = ("Abyssinian", "great_pyre
 
 def convert(raw: Path, out: Path, *flags: str) -> int:
     return main(["convert", str(raw), "--to", "lmdb", "--out", str(out), "--workers", "1", *flags])
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def read(out: Path, split: str) -> dict[str, dict]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import error_records, one_error
 from splitlist_fixtures import (
     CAR_NAMES,
     CAR_TEST,
@@ -17,10 +18,8 @@ from splitlist_fixtures import (
     FLOWER_SETID,
     car_annotations,
     convert,
-    errors,
     make_cars,
     make_flowers,
-    one_error,
     samples,
     savemat,
 )
@@ -87,7 +86,7 @@ def test_flowers_bad_image_is_one_skipped_sample(tmp_path: Path, case: str, caps
         key, expected = "image_00009", f"names {flowers / 'jpg' / 'image_00009.jpg'}, which does"
     out = tmp_path / "out"
     assert convert(flowers, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["key"] == key and expected in error["error"], error
     assert convert(flowers, tmp_path / "fail", "wds", "--on-error", "fail") == 2
     assert expected in one_error(capsys)
@@ -219,7 +218,7 @@ def test_cars_bad_class_is_one_skipped_sample(tmp_path: Path) -> None:
     savemat(cars / "devkit" / "cars_train_annos.mat", car_annotations(rows))
     out = tmp_path / "out"
     assert convert(cars, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     annos = cars / "devkit" / "cars_train_annos.mat"
     assert error["key"] == "00004"
     assert f"{annos} 'annotations' entry 4: has class 9, not one of 1..3" in error["error"]

@@ -6,16 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import error_records, one_error
 from splitlist_fixtures import (
     FOOD_CLASSES,
     FOOD_LABELS,
     FOOD_TEST,
     FOOD_TRAIN,
     convert,
-    errors,
     jpeg,
     make_food101,
-    one_error,
     samples,
     write,
 )
@@ -90,7 +89,7 @@ def test_one_bad_line_skips_only_its_sample(tmp_path: Path, case: str, capsys) -
     expected = _break(food, case)
     out = tmp_path / "out"
     assert convert(food, out, "hdf5") == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert expected in error["error"], error
     manifest = dlpipe.read_manifest(str(out))
     assert manifest.splits["train"].samples == 9 and manifest.source["skipped"] == 1
@@ -147,7 +146,7 @@ def test_a_listed_image_that_is_a_fifo_is_one_skipped_sample(tmp_path: Path) -> 
     os.mkfifo(image)
     out = tmp_path / "out"
     assert convert(food, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert f"names {image}, which is a FIFO" in error["error"]
     assert dlpipe.read_manifest(str(out)).source["skipped_entries"] == 1
 

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import error_records, one_error_line
 from PIL import Image, ImageDraw
 
 import dlpipe
@@ -68,16 +69,6 @@ def convert(raw: Path, out: Path, *flags: str, fmt: str = "wds") -> int:
 
 def read_split(out: Path, split: str = "train") -> dict[str, dict[str, bytes]]:
     return {s["__key__"]: dict(s) for s in dlpipe.open_dataset(str(out), split)}
-
-
-def errors(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def captions(root: Path) -> Path:
@@ -408,7 +399,7 @@ def test_a_row_naming_a_missing_file_is_one_skipped_sample(tmp_path: Path) -> No
     (raw / "train" / "3.jpg").unlink()
     assert convert(raw, out) == 0
     assert sorted(read_split(out)) == ["1", "2", "4"]
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["origin"] == "train/metadata.jsonl line 3 (3.jpg)"
     assert "file_name '3.jpg'" in error["error"] and "no such file" in error["error"]
 
@@ -456,7 +447,7 @@ def test_a_bad_bbox_skips_only_its_sample(tmp_path: Path, bbox: list, why: str) 
     raw, out = detection(tmp_path / "raw", objects), tmp_path / "out"
     assert convert(raw, out) == 0
     assert sorted(read_split(out)) == ["0001", "0003"]
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["origin"] == "train/metadata.jsonl line 2 (0002.png)"
     assert f"object 0: bbox {bbox!r} {why}" in error["error"]
 
@@ -468,7 +459,7 @@ def test_a_box_past_the_image_or_a_negative_category_is_skipped(tmp_path: Path) 
     raw, out = detection(tmp_path / "raw", objects), tmp_path / "out"
     assert convert(raw, out) == 0
     assert sorted(read_split(out)) == ["0003"]
-    by_origin = {e["origin"]: e["error"] for e in errors(out)}
+    by_origin = {e["origin"]: e["error"] for e in error_records(out)}
     assert "lies outside the 960x660 image" in by_origin["train/metadata.jsonl line 1 (0001.png)"]
     assert (
         "category -1 is not one of the 3 classes"
@@ -489,7 +480,7 @@ def test_a_path_leaving_the_metadata_folder_is_refused_and_never_read(
     got = read_split(out)
     assert sorted(got) == ["1", "3", "4"]
     assert all(s["jpg"] != (raw / "x.jpg").read_bytes() for s in got.values())
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert "leads outside the metadata file's folder train" in error["error"]
 
 
@@ -500,7 +491,7 @@ def test_a_fifo_named_by_a_row_is_skipped_not_opened(tmp_path: Path) -> None:
     (raw / "train" / "2.jpg").unlink()
     os.mkfifo(raw / "train" / "2.jpg")
     assert convert(raw, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert "file_name '2.jpg'" in error["error"] and "FIFO" in error["error"].upper()
 
 
@@ -511,7 +502,7 @@ def test_an_empty_caption_or_label_in_a_labelled_split_skips_its_row(tmp_path: P
     write_jsonl(raw / "train" / "metadata.jsonl", rows)
     assert convert(raw, out) == 0
     assert sorted(read_split(out)) == ["2", "3", "4"]
-    assert "caption is empty" in errors(out)[0]["error"]
+    assert "caption is empty" in error_records(out)[0]["error"]
 
 
 # --- neighbours: what stays a table, what is no HF folder ---------------------------------

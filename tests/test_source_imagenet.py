@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import random
 import struct
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import error_records
 from PIL import Image
 
 import dlpipe
@@ -290,10 +290,6 @@ def test_devkit_bad_labels_are_one_error_line(tmp_path: Path, case: str, capsys)
     assert not (tmp_path / "out" / "dlpipe.json").exists()
 
 
-def _errors(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("row", ["n99999999 1 2 3 4", ""], ids=["unknown-wnid", "empty"])
 def test_one_bad_val_row_skips_only_its_sample(tmp_path: Path, row: str, capsys) -> None:
     raw = make_kaggle(tmp_path / "raw", flat=True)
@@ -305,7 +301,7 @@ def test_one_bad_val_row_skips_only_its_sample(tmp_path: Path, row: str, capsys)
     out = tmp_path / "out"
     assert convert(raw, out) == 0
     assert "skipped 1 samples" in capsys.readouterr().out
-    (error,) = _errors(out)
+    (error,) = error_records(out)
     assert error["key"] == val_name(2) and f"{csv} line {number + 1}: " in error["error"]
     assert ("'n99999999' is not one of" if row else "no label") in error["error"]
     manifest = dlpipe.read_manifest(str(out))
@@ -320,7 +316,7 @@ def test_devkit_val_label_of_an_inner_synset_skips_its_sample(tmp_path: Path) ->
     lines = truth.read_text().splitlines()
     truth.write_text("\n".join([*lines[:3], "4", *lines[4:]]) + "\n")  # 4 = "entity"
     assert convert(raw, tmp_path / "out") == 0
-    (error,) = _errors(tmp_path / "out")
+    (error,) = error_records(tmp_path / "out")
     assert error["key"] == val_name(4)
     assert f"{truth} line 4: the label 'ILSVRC2012_ID 4' is not one of the 3" in error["error"]
 

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import error_records, one_error
 from PIL import Image
 from splitlist_fixtures import (
     PETS,
     convert,
-    errors,
     image_of,
     make_pets,
-    one_error,
     pets_lines,
     png,
     samples,
@@ -118,7 +117,7 @@ def test_one_bad_image_is_one_skipped_sample(tmp_path: Path, case: str, capsys) 
     split, stem, expected = _break_sample(pets, case)
     out = tmp_path / "out"
     assert convert(pets, out, "hdf5") == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["key"] == stem and expected in error["error"], error
     assert stem not in samples(out, split)
     assert dlpipe.read_manifest(str(out)).splits[split].samples == (3 if split == "test" else 7)

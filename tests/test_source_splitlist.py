@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import error_records, one_error
 from splitlist_fixtures import (
     convert,
-    errors,
     jpeg,
     make_cub,
     make_food101,
     make_pets,
-    one_error,
     samples,
     write,
 )
@@ -219,7 +218,7 @@ def test_one_bad_line_is_one_skipped_sample(tmp_path: Path, line: str, expected:
     write(raw / "train.txt", (raw / "train.txt").read_text().replace("cat/2\n", line + "\n"))
     out = tmp_path / "out"
     assert convert(raw, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert f"{raw / 'train.txt'} {expected.format(raw=raw)}" in error["error"], error
     assert dlpipe.read_manifest(str(out)).splits["train"].samples == 5
 

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import one_error_line
 from PIL import Image
 
 import dlpipe
@@ -52,12 +53,6 @@ def convert(raw: Path, out: Path, *flags: str) -> int:
 
 def samples(out: Path) -> list[dict]:
     return [dlpipe.decode_sample(s) for s in dlpipe.open_dataset(str(out), "train")]
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_labels_csv_beside_images_folder_is_detected_and_converts(tmp_path, capsys) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import error_records, one_error
 from PIL import Image
 
 import dlpipe
@@ -158,17 +159,6 @@ def expected_boxes(ident: str, objects: dict = OBJECTS) -> dict:
         "difficult": [o[3] for o in objs],
         "truncated": [o[2] for o in objs],
     }
-
-
-def errors(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
-
-
-def one_error(capsys) -> str:
-    captured = capsys.readouterr()
-    lines = [x for x in captured.err.splitlines() if x.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in captured.err + captured.out, captured.err
-    return lines[0]
 
 
 @pytest.mark.parametrize("fmt", ["wds", "lmdb", "hdf5"])
@@ -353,7 +343,7 @@ def test_a_bad_annotation_skips_only_its_sample(tmp_path: Path, case: str, capsy
     expected = _break(voc / "Annotations" / "2008_000002.xml", case)
     out = tmp_path / "out"
     assert convert(tmp_path / "raw", out, "lmdb") == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["key"] == "2008_000002" and expected in error["error"], error
     assert sorted(by_key(out, "train")) == ["2008_000001"]
     assert json.loads(by_key(out, "train")["2008_000001"]["boxes.json"]) == expected_boxes(
@@ -385,7 +375,7 @@ def test_a_bad_mask_skips_only_its_sample(tmp_path: Path, case: str) -> None:
     expected = _break_mask(voc / "SegmentationClass" / "2008_000001.png", case)
     out = tmp_path / "out"
     assert convert(tmp_path / "raw", out, "wds", "--source", "voc-seg") == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["key"] == "2008_000001" and expected in error["error"], error
     assert sorted(by_key(out, "train")) == ["2008_000002"]
 
@@ -448,7 +438,7 @@ def test_one_missing_image_is_a_skipped_sample(tmp_path: Path) -> None:
     voc = make_voc(tmp_path / "raw")
     (voc / "JPEGImages" / "2008_000004.jpg").unlink()
     assert convert(tmp_path / "raw", tmp_path / "out") == 0
-    (error,) = errors(tmp_path / "out")
+    (error,) = error_records(tmp_path / "out")
     assert error["key"] == "2008_000004"
     assert "val.txt line 2: id '2008_000004' has no file in JPEGImages/" in error["error"]
 
@@ -460,7 +450,7 @@ def test_linked_annotation_out_of_the_folder_is_never_read(tmp_path: Path) -> No
     (voc / "Annotations" / "2008_000001.xml").unlink()
     (voc / "Annotations" / "2008_000001.xml").symlink_to(secret)
     assert convert(tmp_path / "raw", tmp_path / "out") == 0
-    (error,) = errors(tmp_path / "out")
+    (error,) = error_records(tmp_path / "out")
     assert error["key"] == "2008_000001" and "has no file in Annotations/" in error["error"]
     manifest = dlpipe.read_manifest(str(tmp_path / "out"))
     assert manifest.source["skipped_entries"] == 1

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import error_records, one_error
 from PIL import Image
 
 import dlpipe
@@ -49,18 +50,6 @@ def read_back(out: Path, split: str) -> dict[str, dict[str, Any]]:
     """Member key → the stored sample's fields."""
     dataset = dlpipe.open_dataset(str(out), split, rank=0, world_size=1)
     return {unescape_key(s["__key__"]): dict(s) for s in dataset}
-
-
-def one_error(capsys: pytest.CaptureFixture[str]) -> str:
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
-    assert "Traceback" not in captured.err + captured.out
-    return lines[0]
-
-
-def errors(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
 
 
 # --- img2dataset -----------------------------------------------------------------------------
@@ -328,7 +317,7 @@ def test_sample_missing_a_field_is_skipped_and_an_extra_one_dropped(tmp_path: Pa
     manifest = dlpipe.read_manifest(str(out))
     assert manifest.source["dropped_fields"] == {"depth.png": 1}
     assert "depth.png" not in manifest.fields and manifest.splits["train"].samples == 5
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["key"] == "k0002" and "it has no json member" in error["error"]
     assert "shard-000000.tar, sample 'k0002' at byte" in error["error"]
 
@@ -350,7 +339,7 @@ def test_bad_label_skips_only_its_sample(tmp_path: Path, cls: bytes, why: str) -
     (raw / "classes.txt").write_text("\n".join(CLASSES))
     out = tmp_path / "out"
     assert convert(raw, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["key"] == "k0001" and why in error["error"]
     assert dlpipe.read_manifest(str(out)).splits["train"].samples == 3
 
@@ -486,7 +475,7 @@ def test_link_and_escaping_members_fail_only_their_samples(tmp_path: Path) -> No
     assert convert(raw, out) == 0
     assert sorted(os.listdir(tmp_path)) == sorted([*before, "out"])  # nothing written outside
     assert read_back(out, "train")["good"]["txt"] == b"good"
-    found = {e["key"]: e["error"] for e in errors(out)}
+    found = {e["key"]: e["error"] for e in error_records(out)}
     assert sorted(found) == ["%2E%2E%2Fevil", "%2Fabs%2Folute", "hard", "link"]
     assert f"member 'link.jpg' is a symbolic link (to '{tmp_path / 'secret.jpg'}')" in found["link"]
     assert "member 'hard.jpg' is a hard link" in found["hard"]
@@ -580,7 +569,7 @@ def test_damaged_tar_is_listed_with_its_byte_and_keeps_whole_samples(
     byte, problem = damage(raw / "b.tar")
     out = tmp_path / "out"
     assert convert(raw, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["key"] == "b%2Etar" and error["origin"] == str(raw / "b.tar")
     assert error["error"].startswith(f"{raw / 'b.tar'}: damaged at byte {byte}: ")
     assert problem in error["error"] and f"the {kept} samples before it are kept" in error["error"]

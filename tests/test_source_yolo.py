@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import error_records, one_error
 from PIL import Image
 
 import dlpipe
@@ -108,17 +109,6 @@ def convert(raw: Path, out: Path, fmt: str = "wds", *extra: str) -> int:
 def by_key(out: Path, split: str) -> dict[str, dict]:
     dataset = dlpipe.open_dataset(str(out), split, rank=0, world_size=1)
     return {s["__key__"]: s for s in dataset}
-
-
-def errors(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
-
-
-def one_error(capsys) -> str:
-    captured = capsys.readouterr()
-    lines = [x for x in captured.err.splitlines() if x.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in captured.err + captured.out, captured.err
-    return lines[0]
 
 
 def key(name: str) -> str:
@@ -330,7 +320,7 @@ def test_a_bad_label_line_skips_only_its_sample(tmp_path: Path, case: str, capsy
     label.write_text(text)
     out = tmp_path / "out"
     assert convert(raw, out) == 0
-    (error,) = errors(out)
+    (error,) = error_records(out)
     assert error["key"] == "0001" and f"{label} " in error["error"], error
     assert expected in error["error"], error
     assert sorted(by_key(out, "train")) == ["0002", "0003", "0004"]
@@ -342,7 +332,7 @@ def test_a_label_file_that_is_not_utf8_skips_its_sample(tmp_path: Path) -> None:
     raw = make_ultralytics(tmp_path / "raw")
     (raw / "labels" / "train" / "0001.txt").write_bytes(b"0 0.5 0.5 0.1 0.1\n\xff\xfe\n")
     assert convert(raw, tmp_path / "out") == 0
-    (error,) = errors(tmp_path / "out")
+    (error,) = error_records(tmp_path / "out")
     assert error["key"] == "0001" and "not UTF-8 text" in error["error"]
 
 
@@ -353,7 +343,7 @@ def test_labels_of_an_exif_turned_jpeg_are_refused(tmp_path: Path) -> None:
     exif[0x0112] = 6  # shown turned 90 degrees: the labels are of the turned picture
     image.save(raw / "images" / "train" / "0001.jpg", exif=exif)
     assert convert(raw, tmp_path / "out") == 0
-    (error,) = errors(tmp_path / "out")
+    (error,) = error_records(tmp_path / "out")
     assert error["key"] == "0001" and "EXIF orientation 6" in error["error"]
 
 
@@ -363,7 +353,7 @@ def test_a_label_file_that_is_a_fifo_is_never_opened(tmp_path: Path) -> None:
     raw = make_ultralytics(tmp_path / "raw")
     os.mkfifo(raw / "labels" / "train" / "0003.txt")
     assert convert(raw, tmp_path / "out") == 0
-    (error,) = errors(tmp_path / "out")
+    (error,) = error_records(tmp_path / "out")
     assert error["key"] == "0003" and "0003.txt: a FIFO" in error["error"], error
 
 
@@ -469,5 +459,5 @@ def test_a_pose_dataset_keeps_its_boxes_and_says_keypoints_are_dropped(tmp_path:
     assert json.loads(sample["boxes.json"])["boxes"] == [[5, 5, 15, 15]]
     (raw / "labels" / "train" / "p.txt").write_text("0 0.1 0.1 0.9 0.2 0.5 0.8\n")
     assert convert(raw, tmp_path / "out2") == 0  # a polygon is no pose line
-    (error,) = errors(tmp_path / "out2")
+    (error,) = error_records(tmp_path / "out2")
     assert "7 fields; a YOLO label line is 'class cx cy w h' + keypoints (11" in error["error"]
