@@ -73,7 +73,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dlpipe.converters.raw_tree import Listings
+from dlpipe.converters.raw_tree import Listings, RawTree
 from dlpipe.converters.source import (
     Item,
     SampleError,
@@ -81,6 +81,7 @@ from dlpipe.converters.source import (
     Source,
     SourceError,
     display_path,
+    image_kind_of_name,
     raw_folder_of,
     read_file,
 )
@@ -357,7 +358,23 @@ class TableSource(Source):
                 "json": sorted(cols.extra),
             },
         }
+        unread = self._unread_images(scans)
+        if unread:
+            description["unused"] = {"images": unread}
         return Scan(classes=classes, items=tuple(items), description=description)
+
+    def _unread_images(self, scans: list[FileScan]) -> int:
+        """Image files in the tables' image roots that no row names (Kaggle's unlabelled
+        ``test/`` beside a labelled ``train.csv``, or images a table leaves out)."""
+        named = {os.path.normpath(p) for s in scans for p in s.resolved if p is not None}
+        roots = sorted({s.image_root for s in scans if s.image_root})
+        tree = RawTree(self.root)
+        return sum(
+            1
+            for root in roots
+            for entry in tree.files(root, keep=True)
+            if image_kind_of_name(entry.name) and os.path.normpath(entry.path) not in named
+        )
 
     def _item(self, scan: FileScan, row: int, keyed: _Keyed) -> Item:
         image = scan.images[row]

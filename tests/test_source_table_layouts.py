@@ -308,3 +308,15 @@ def test_the_printed_resume_command_carries_the_image_root(tmp_path) -> None:
         raw=str(tmp_path), to="wds", out=str(tmp_path / "out"), image_root="pics"
     )
     assert "--image-root pics" in config.command("--resume")
+
+
+def test_images_no_row_names_are_counted_as_not_used(tmp_path, capsys) -> None:
+    raw = labels_beside_images(tmp_path / "raw")
+    for name in ("extra1.jpg", "extra2.png"):
+        (raw / "images" / name).write_bytes(jpeg(7))
+    (raw / "images" / "readme.txt").write_text("not an image")
+    assert convert(raw, tmp_path / "out") == 0
+    assert "not used: 2 images" in capsys.readouterr().out
+    manifest = dlpipe.read_manifest(str(tmp_path / "out"))
+    assert manifest.source["unused"] == {"images": 2}
+    assert manifest.splits["train"].samples == 6
