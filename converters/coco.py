@@ -24,8 +24,12 @@ Produces one sample per ``images`` entry (an image without annotations is a back
 sample): the image, ``boxes.json`` (`dlpipe.annotations`: XYXY pixel boxes ``[x, y, x + w,
 y + h]``, labels, iscrowd, ids = annotation ids, in the file's order) and ``json``
 (``{"image_id": <COCO id>}``, to map results back). Classes are the categories sorted by id;
-the manifest's ``class_ids`` keeps COCO's gapped ids (1..90). Polygons and RLE masks are not
-converted (counted as ``unused["instance masks"]``). Key: ``file_name`` without its suffix.
+the manifest's ``class_ids`` keeps COCO's gapped ids (1..90). Key: ``file_name`` without its
+suffix. Polygons and RLE masks are converted only with ``--instance-masks``
+(`SourceOptions.instance_masks`): then every sample also has ``masks.json``, one COCO RLE per
+object of ``boxes.json`` (`dlpipe.converters.coco_masks`: read back from the instances file by
+each annotation's byte span, so the scan's memory stays bounded); without it they are counted
+as ``unused["instance masks"]``.
 
 Errors: an instances file that cannot be read as COCO (`dlpipe.converters.coco_json`), splits
 with different categories, two files for one split, or a split whose images are mostly missing
@@ -45,9 +49,16 @@ import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from dlpipe.annotations import BOXES_FIELD, BOXES_SCHEMA, encode_boxes
+from dlpipe.annotations import (
+    BOXES_FIELD,
+    BOXES_SCHEMA,
+    INSTANCE_MASKS_SCHEMA,
+    MASKS_FIELD,
+    encode_boxes,
+)
 from dlpipe.codecs import check_image_pixels
 from dlpipe.converters.coco_json import ImageId, Instances, Object, read_instances
+from dlpipe.converters.coco_masks import MaskRef, masks_field
 from dlpipe.converters.raw_tree import Listings, RawTree, relative_path
 from dlpipe.converters.source import (
     Item,
@@ -105,6 +116,7 @@ class _Ref(NamedTuple):
     image_id: ImageId
     objects: tuple[Object, ...]  # (id, label index, x, y, w, h, iscrowd)
     problem: str | None
+    masks: MaskRef | None = None  # with --instance-masks: where the segmentations are
 
 
 def _instances_names(root: str) -> list[str]:
@@ -153,14 +165,15 @@ class CocoSource(Source):
         items: list[Item] = []
         categories: dict[int, str] | None = None
         orphans: dict[ImageId, int] = {}
+        masks = self.options.instance_masks
         for part in parts:
-            found = read_instances(part.json, self.raw_folder)
+            found = read_instances(part.json, self.raw_folder, spans=masks)
             categories = _same_categories(categories, found, parts[0], part)
             part_items, part_orphans = self._items(part, found, files, listed)
             items += part_items
             for image_id, count in part_orphans.items():
                 orphans[image_id] = orphans.get(image_id, 0) + count
-            unused["instance masks"] += found.masks
+            unused["instance masks"] += 0 if masks else found.masks
         assert categories is not None
         unlisted = [path for path in files if path not in listed]
         unused["other"] += len(unlisted)
@@ -172,7 +185,12 @@ class CocoSource(Source):
             "layout": "; ".join(dict.fromkeys(p.layout for p in parts)),
             "annotation_files": {display_path(p.json): p.split or "none" for p in parts},
             "orphan_annotations": sum(orphans.values()),
-            "segmentation": "not converted (instance masks are counted in 'unused')",
+            "segmentation": (
+                f"converted: {MASKS_FIELD}, one COCO RLE per object (--instance-masks)"
+                if masks
+                else "not converted (instance masks are counted in 'unused'; --instance-masks "
+                f"converts them to {MASKS_FIELD})"
+            ),
             "unused": unused,
             **self._left_out(tree, parts),
             **tree.report(),
@@ -182,7 +200,10 @@ class CocoSource(Source):
             items=tuple(items),
             description=description,
             task="detection",
-            field_schemas={BOXES_FIELD: dict(BOXES_SCHEMA)},
+            field_schemas={
+                BOXES_FIELD: dict(BOXES_SCHEMA),
+                **({MASKS_FIELD: dict(INSTANCE_MASKS_SCHEMA)} if masks else {}),
+            },
             class_ids=ids,
         )
 
@@ -254,6 +275,7 @@ class CocoSource(Source):
         items, missing = [], []
         for image_id, (name, width, height, problem) in found.images.items():
             objects, problem = _objects(found, image_id, labels, problem)
+            spans = found.spans.pop(image_id, ()) if found.spans is not None else None
             rel = posixpath.normpath(name)
             path = os.path.normpath(os.path.join(part.images, rel))
             if rel.startswith(("../", "/")) or rel == "..":
@@ -265,8 +287,9 @@ class CocoSource(Source):
                 missing.append(path)
             listed.add(path)
             key, shortened = make_key(os.path.splitext(rel)[0])
-            ref = _Ref(path, (width, height), image_id, objects, problem)
-            size = files.get(path, 0) + 64 * len(objects)
+            masks = None if spans is None else MaskRef(part.json, found.stamp, tuple(spans))
+            ref = _Ref(path, (width, height), image_id, objects, problem, masks)
+            size = files.get(path, 0) + (64 if masks is None else 256) * len(objects)
             kind = image_kind_of_name(path) or "other"
             origin = display_path(path)
             original = display_path(rel) if shortened else None
@@ -274,6 +297,7 @@ class CocoSource(Source):
         _check_missing(part, len(items), missing)
         orphans = {image_id: len(objects) for image_id, objects in found.objects.items()}
         found.objects.clear()
+        found.spans = None
         return items, orphans
 
     def _left_out(self, tree: RawTree, parts: list[_Part]) -> dict[str, Any]:
@@ -291,13 +315,14 @@ class CocoSource(Source):
         return {"left_out": {relative_path(p, self.root): reason for p in left}} if left else {}
 
     def load(self, item: Item) -> dict[str, bytes]:
-        """The image, its ``boxes.json`` and ``json``; SampleError for a bad annotation, a
-        missing image, or an image whose size is not the JSON's."""
+        """The image, its ``boxes.json``, ``json`` and (``--instance-masks``) ``masks.json``;
+        SampleError for a bad annotation, a missing image, or an image whose size is not the
+        JSON's."""
         ref: _Ref = item.ref
         if ref.problem:
             raise SampleError(ref.problem)
         data = read_file(ref.path, self.raw_folder)
-        _check_frame(data, ref, item.origin)
+        frame = _check_frame(data, ref, item.origin)
         objects = ref.objects
         boxes = encode_boxes(
             [(x, y, x + w, y + h) for _, _, x, y, w, h, _ in objects],
@@ -306,7 +331,11 @@ class CocoSource(Source):
             ids=[o[0] for o in objects],
         )
         image_id = json.dumps({"image_id": ref.image_id}).encode("utf-8")
-        return {"image": data, BOXES_FIELD: boxes, "json": image_id}
+        fields = {"image": data, BOXES_FIELD: boxes, "json": image_id}
+        if ref.masks is not None and frame is not None:  # no frame: the image check names it
+            ids = [o[0] for o in objects]
+            fields[MASKS_FIELD] = masks_field(ref.masks, ids, frame, self.raw_folder, item.origin)
+        return fields
 
 
 def _objects(
@@ -329,18 +358,20 @@ def _objects(
     return (() if problem else tuple(objects)), problem
 
 
-def _check_frame(data: bytes, ref: _Ref, origin: str) -> None:
-    """Refuse an image whose header size is not the width/height its boxes are drawn on."""
+def _check_frame(data: bytes, ref: _Ref, origin: str) -> tuple[int, int] | None:
+    """The image's (width, height) from its header, refused when it is not the width/height
+    its boxes are drawn on; None when the header gives none."""
     try:
         actual = check_image_pixels(data)
     except FieldDecodeError:
-        return  # not an image, or too large: the worker names it
+        return None  # not an image, or too large: the worker names it
     if any(given not in (None, real) for given, real in zip(ref.size, actual, strict=True)):
         raise SampleError(
             f"{origin}: the image is {actual[0]}x{actual[1]}, but its entry (image id "
             f"{ref.image_id!r}) gives width {ref.size[0]} and height {ref.size[1]}, so its "
             "boxes are drawn on another frame; fix the entry or replace the image"
         )
+    return actual
 
 
 def _same_categories(

@@ -5,7 +5,9 @@ object for every polygon vertex (gigabytes). `read_arrays` instead walks the top
 with a sliding text buffer and decodes one element of a top-level array at a time
 (``json.JSONDecoder.raw_decode``); `read_instances` keeps only what a sample needs: per image
 its id, file name and size, per annotation its id, image, category, box and crowd flag. The
-polygons and RLE masks are decoded one annotation at a time, counted and dropped.
+polygons and RLE masks are decoded one annotation at a time, counted and dropped; asked for
+(``spans=True``, ``--instance-masks``), each annotation's byte span in the file is kept instead,
+one integer, for a worker to read that annotation again (`dlpipe.converters.coco_masks`).
 
 A hostile file is one `SourceError` naming the file and the problem, never a crash: a file that
 is not one JSON object, is truncated or is not UTF-8, a top-level key given twice, nesting
@@ -21,14 +23,22 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from dlpipe.converters.source import SampleError, SourceError, display_path, open_regular
 
-__all__ = ["MAX_DEPTH", "MAX_ELEMENT_CHARS", "Instances", "read_arrays", "read_instances"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_ELEMENT_CHARS",
+    "Instances",
+    "file_stamp",
+    "read_arrays",
+    "read_instances",
+]
 
 MAX_DEPTH = 16
 """Nesting levels a file may have (COCO's deepest, a polygon's vertex list, is at level 5)."""
@@ -37,9 +47,10 @@ MAX_ELEMENT_CHARS = 16 << 20
 _MAX_NUMBER = 2**63
 _CHUNK_CHARS = 1 << 20
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+_NUMBER_TAIL = re.compile(r"[0-9.eE+-]*")  # what may follow a number cut at the buffer's end
 _NEAR_END = 64  # a decode error this close to the buffer's end may be a cut element
 
-Handlers = dict[str, Callable[[int, Any], None]]
+Handlers = dict[str, Callable[..., None]]
 ImageId = int | str
 Object = tuple[ImageId, int, float, float, float, float, int]
 """An annotation as kept: (id, category id, x, y, width, height, iscrowd)."""
@@ -57,6 +68,10 @@ class _Reader:
         self.pos = 0
         self.dropped = 0  # characters before buf[0]
         self.eof = False
+        self.spans = False  # keep track of byte offsets (`byte_at`)
+        self._ascii = True  # buf is ASCII: a character is a byte
+        self._bytes_dropped = 0  # bytes of the file before buf[0] (a BOM included)
+        self._cursor = (0, 0)  # (index in buf, bytes of buf before it): `byte_at` moves it on
 
     def fail(self, problem: str, at: int | None = None) -> SourceError:
         where = self.dropped + (self.pos if at is None else at)
@@ -69,17 +84,34 @@ class _Reader:
         """Read more text, dropping what lies before `pos`; False at the end of the file."""
         if self.eof:
             return False
+        if self.spans:
+            self._bytes_dropped = self.byte_at(self.dropped + self.pos)
+            self._cursor = (0, 0)
         self.dropped += self.pos
         self.buf, self.pos = self.buf[self.pos :], 0
         try:
             raw = self._file.read(max(want, _CHUNK_CHARS))
             self.eof = not raw
+            if self.dropped == 0 and not self.buf and raw.startswith(codecs.BOM_UTF8):
+                self._bytes_dropped = len(codecs.BOM_UTF8)  # the decoder drops it
             self.buf += self._text.decode(raw, final=self.eof)
+            self._ascii = self.buf.isascii()
         except UnicodeDecodeError as exc:
             raise self.fail(f"not UTF-8 text ({exc.reason})", len(self.buf)) from None
         except OSError as exc:
             raise SourceError(f"{self.shown}: cannot be read ({exc.strerror or exc})") from exc
         return not self.eof
+
+    def byte_at(self, char: int) -> int:
+        """The file's byte offset of character `char` (counted from the file's start), which
+        lies in the buffer at or after the last one asked for (`spans` only)."""
+        index = char - self.dropped
+        if self._ascii:
+            return self._bytes_dropped + index
+        at, before = self._cursor
+        before += len(self.buf[at:index].encode("utf-8"))
+        self._cursor = (index, before)
+        return self._bytes_dropped + before
 
     def peek(self) -> str:
         """The next character that is not whitespace ("" at the end), not consumed."""
@@ -113,8 +145,8 @@ class _Reader:
                 raise self.fail(f"an integer of too many digits ({str(exc)[:50]}...)") from None
             except RecursionError:
                 raise self.fail(f"nesting deeper than {MAX_DEPTH} levels") from None
-            if end == len(self.buf) and self._fill():
-                continue  # a number may go on past the buffer's end
+            if _NUMBER_TAIL.fullmatch(self.buf, end) and self._fill():
+                continue  # a number may go on past the buffer's end ("1" of "1e-7")
             _check(value, depth, self)  # the position names the value's start
             self.pos = end
             return value
@@ -169,7 +201,9 @@ def _finite(number: float) -> bool:
     return not isinstance(number, float) or math.isfinite(number)
 
 
-def read_arrays(path: str, folder: str, handlers: Handlers) -> set[str]:
+def read_arrays(
+    path: str, folder: str, handlers: Handlers, *, spans: Collection[str] = ()
+) -> set[str]:
     """Walk the JSON object in `path`, calling ``handlers[key](index, element)`` for each element
     of the top-level array under each handled key; other values are read, checked and dropped.
 
@@ -177,6 +211,8 @@ def read_arrays(path: str, folder: str, handlers: Handlers) -> set[str]:
         path: the JSON file.
         folder: the real raw folder the file must lie in.
         handlers: top-level key → what to do with each element of its array.
+        spans: the keys whose handlers also get each element's byte span in the file,
+            ``offset << 32 | length``, as a third argument.
 
     Returns:
         The top-level keys the file has.
@@ -191,6 +227,7 @@ def read_arrays(path: str, folder: str, handlers: Handlers) -> set[str]:
         raise SourceError(str(exc)) from None
     with file:
         reader = _Reader(file, shown)
+        reader.spans = bool(spans)
         first = reader.peek()
         if first != "{":
             what = f"begins with {first!r}" if first else "is empty"
@@ -200,13 +237,13 @@ def read_arrays(path: str, folder: str, handlers: Handlers) -> set[str]:
         if reader.peek() == "}":
             reader.pos += 1
         else:
-            _members(reader, handlers, keys)
+            _members(reader, handlers, keys, set(spans))
         if reader.peek():
             raise reader.fail("more text after the JSON object")
     return keys
 
 
-def _members(reader: _Reader, handlers: Handlers, keys: set[str]) -> None:
+def _members(reader: _Reader, handlers: Handlers, keys: set[str], spans: set[str]) -> None:
     while True:
         key = reader.value(1)
         if not isinstance(key, str):
@@ -218,7 +255,7 @@ def _members(reader: _Reader, handlers: Handlers, keys: set[str]) -> None:
         handler = handlers.get(key)
         if reader.peek() == "[":
             reader.pos += 1
-            _elements(reader, handler)
+            _elements(reader, handler, key in spans)
         elif handler is not None:
             raise reader.fail(f"{key!r} is not a list")
         else:
@@ -227,14 +264,20 @@ def _members(reader: _Reader, handlers: Handlers, keys: set[str]) -> None:
             return
 
 
-def _elements(reader: _Reader, handler: Callable[[int, Any], None] | None) -> None:
+def _elements(reader: _Reader, handler: Callable[..., None] | None, spans: bool) -> None:
     if reader.peek() == "]":
         reader.pos += 1
         return
     index = 0
     while True:
+        reader.peek()  # the walk stands on the element's first character
+        start = reader.dropped + reader.pos
         element = reader.value(3)
-        if handler is not None:
+        if handler is not None and spans:
+            offset = reader.byte_at(start)
+            length = reader.byte_at(reader.dropped + reader.pos) - offset
+            handler(index, element, offset << 32 | length)
+        elif handler is not None:
             handler(index, element)
         index += 1
         if reader.expect(",]", "',' or ']'") == "]":
@@ -251,7 +294,10 @@ class Instances:
         categories: category id → name.
         objects: image id → its annotations in the file's order: an `Object`, or the problem
             that makes the image's sample an error.
-        masks: annotations with a polygon or RLE segmentation (not converted).
+        masks: annotations with a polygon or RLE segmentation.
+        spans: when asked for (`read_instances`), image id → the byte span in the file of each
+            of its annotations, in the order of `objects` (``offset << 32 | length``).
+        stamp: the file's (size, mtime in ns) when it was read, to tell a later change.
     """
 
     shown: str
@@ -261,6 +307,8 @@ class Instances:
     categories: dict[int, str] = field(default_factory=dict)
     objects: dict[ImageId, list[Object | str]] = field(default_factory=dict)
     masks: int = 0
+    spans: dict[ImageId, list[int]] | None = None
+    stamp: tuple[int, int] = (0, 0)
 
     def image(self, index: int, entry: Any) -> None:
         """Keep one element of ``images``."""
@@ -292,14 +340,17 @@ class Instances:
             raise SourceError(f"{where}: category {category_id} has no 'name' string")
         self.categories[category_id] = name
 
-    def annotation(self, index: int, entry: Any) -> None:
-        """Keep one element of ``annotations``: its object, or the problem it has."""
+    def annotation(self, index: int, entry: Any, span: int = 0) -> None:
+        """Keep one element of ``annotations``: its object, or the problem it has (and, when
+        `spans` are kept, its byte span)."""
         where = f"{self.shown}: annotations[{index}]"
         image_id = _entry_id(entry, "image_id", where)
         segmentation = entry.get("segmentation")
         if isinstance(segmentation, dict) or (isinstance(segmentation, list) and segmentation):
             self.masks += 1
         self.objects.setdefault(image_id, []).append(_object(entry, where))
+        if self.spans is not None:
+            self.spans.setdefault(image_id, []).append(span)
 
 
 def _object(entry: dict[str, Any], where: str) -> Object | str:
@@ -320,6 +371,15 @@ def _object(entry: dict[str, Any], where: str) -> Object | str:
     return cast(Object, (ann_id, category_id, x, y, width, height, int(crowd)))
 
 
+def file_stamp(path: str) -> tuple[int, int]:
+    """A file's (size, mtime in ns); (0, 0) when it cannot be read (the read then fails)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return (0, 0)
+    return (info.st_size, info.st_mtime_ns)
+
+
 def _entry_id(entry: Any, name: str, where: str) -> ImageId:
     if not isinstance(entry, dict):
         raise SourceError(f"{where} is not an object; each entry is {{...}}")
@@ -337,20 +397,27 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def read_instances(path: str, folder: str) -> Instances:
+def read_instances(path: str, folder: str, *, spans: bool = False) -> Instances:
     """The images, categories and annotation boxes of a COCO instances file.
+
+    Args:
+        path: the instances file.
+        folder: the real raw folder it must lie in.
+        spans: keep each annotation's byte span (`Instances.spans`) and the file's stamp.
 
     Raises:
         SourceError: the file is hostile or malformed (module docstring), or has no
             ``images``, ``annotations`` or ``categories`` list.
     """
-    found = Instances(display_path(path))
+    found = Instances(display_path(path), spans={} if spans else None)
     handlers: Handlers = {
         "images": found.image,
         "annotations": found.annotation,
         "categories": found.category,
     }
-    keys = read_arrays(path, folder, handlers)
+    if spans:
+        found.stamp = file_stamp(path)  # before reading: a later change shows
+    keys = read_arrays(path, folder, handlers, spans=("annotations",) if spans else ())
     missing = [key for key in handlers if key not in keys]
     if missing:
         raise SourceError(

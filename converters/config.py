@@ -2,7 +2,7 @@
 
     ConvertConfig(raw, to, out, resume, overwrite)
       .source   SourceConfig   --source --image-col --label-col --image-root --key-col
-                               --keep-empty-classes --label-from
+                               --keep-empty-classes --label-from --instance-masks
       .images   ImageConfig    --max-side --quality
       .shards   ShardConfig    --shard-size --val-fraction --seed --on-error
       .engine   EngineConfig   --engine --workers --ray-address
@@ -235,6 +235,11 @@ class SourceConfig(_Checked):
         parse=_label_rule,
         metavar="name-prefix|REGEX",
     )
+    instance_masks: bool = option(
+        "COCO's polygon and RLE segmentations as masks.json: one COCO RLE mask per object of "
+        "boxes.json (the coco source; off: counted as unused)",
+        default=False,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -242,6 +247,11 @@ class SourceConfig(_Checked):
             raise ConvertOptionError(
                 f"--label-from takes labels from image file names, which only --source "
                 f"filenames reads, not --source {self.kind}; drop one of the two"
+            )
+        if self.instance_masks and self.kind not in ("auto", "coco"):
+            raise ConvertOptionError(
+                f"--instance-masks converts COCO's segmentations, which only --source coco "
+                f"reads, not --source {self.kind}; drop one of the two"
             )
 
 
@@ -423,6 +433,7 @@ class ConvertConfig(_Checked):
             "seed": self.shards.seed,
             "on_error": self.shards.on_error,
             "dedup": self.shards.dedup,
+            "instance_masks": self.source.instance_masks,
         }
 
 

@@ -130,6 +130,7 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         key_col=wanted.key_col,
         keep_empty_classes=wanted.keep_empty_classes,
         label_from=wanted.label_from,
+        instance_masks=wanted.instance_masks,
     )
     source = open_source(config.raw, wanted.kind, options)
     scan = source.scan()

@@ -178,6 +178,9 @@ class SourceOptions:
     label_from: str | None = None
     """Labels from image file names (the ``filenames`` source): ``name-prefix`` or a regular
     expression with one group or a group named ``label`` (see `dlpipe.converters.filenames`)."""
+    instance_masks: bool = False
+    """COCO's polygons and RLE segmentations as ``masks.json`` (the ``coco`` source; see
+    `dlpipe.converters.coco_masks`)."""
 
 
 class Source(ABC):

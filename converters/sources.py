@@ -190,6 +190,12 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
     for name in SOURCE_KINDS:
         cls = _source_class(name)
         if cls.detect(absolute, listings):
+            if options is not None and options.instance_masks and name != "coco":
+                raise SourceError(
+                    f"{display_path(root)} reads as {name}, but --instance-masks converts "
+                    "COCO's segmentations, which only the coco source reads; drop "
+                    "--instance-masks, or give the folder of a COCO dataset"
+                )
             if name == "imagefolder":  # the loosest reading: refuse a dataset's structure
                 refuse_structure(root, listings)
             _warn_if_ambiguous(root, name, listings)

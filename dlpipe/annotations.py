@@ -24,11 +24,19 @@ dlpipe by the codec its extension names:
   beyond 255 values) of the stored image's size; each pixel's value is described by the
   field's schema (``values``: value → name, and ``ignore``, e.g. VOC's 255 border). Resized
   with the image by nearest neighbour.
+- ``masks.json`` (kind ``instance_masks``): one binary mask per object of ``boxes.json``, in
+  its object order, as COCO's compressed RLE (`dlpipe.rle`)::
+
+      {"size": [H, W], "counts": ["<compressed RLE>", ...]}
+
+  ``pycocotools.mask.decode({"size": [H, W], "counts": s})`` (or `dlpipe.rle.decode`) gives
+  an object's (H, W) 0/1 mask of the stored image. Resized with the image by nearest
+  neighbour (and encoded again).
 - ``txt`` (kind ``caption``): UTF-8 text; ``json``: the source's other per-sample columns.
 
 The manifest's ``task`` (one of `TASKS`, or absent) says what the dataset is for, and its
 ``field_schemas`` maps each annotation field to its kind and conventions (`BOXES_SCHEMA`,
-`mask_schema`), so a reader never guesses a task from field names.
+`mask_schema`, `INSTANCE_MASKS_SCHEMA`), so a reader never guesses a task from field names.
 """
 
 from __future__ import annotations
@@ -39,12 +47,17 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from dlpipe import rle
 from dlpipe.errors import DlpipeError
 
 __all__ = [
     "BOXES_FIELD",
     "BOXES_SCHEMA",
     "CAPTION_SCHEMA",
+    "INSTANCE_MASKS_SCHEMA",
+    "MASKS_FIELD",
     "MASK_FIELD",
     "OBJECT_FLAGS",
     "TASKS",
@@ -52,13 +65,16 @@ __all__ = [
     "check_boxes",
     "check_field_schemas",
     "encode_boxes",
+    "encode_masks",
     "fit_annotations",
     "mask_schema",
     "read_boxes",
+    "read_masks",
 ]
 
 BOXES_FIELD = "boxes.json"
 MASK_FIELD = "seg.png"
+MASKS_FIELD = "masks.json"
 TASKS = ("classification", "detection", "segmentation", "captioning")
 OBJECT_FLAGS = ("iscrowd", "difficult", "truncated")
 """Per-object 0/1 attributes a ``boxes.json`` may carry (``iscrowd`` always)."""
@@ -69,8 +85,13 @@ BOXES_SCHEMA: dict[str, Any] = {
     "units": "pixels",
     "labels": "classes",
 }
+INSTANCE_MASKS_SCHEMA: dict[str, Any] = {
+    "kind": "instance_masks",
+    "encoding": "coco_rle",
+    "order": BOXES_FIELD,
+}
 CAPTION_SCHEMA: dict[str, Any] = {"kind": "caption"}
-_KINDS = ("boxes", "mask", "caption", "columns")
+_KINDS = ("boxes", "mask", "instance_masks", "caption", "columns")
 _MAX_OBJECTS = 100_000  # per image: COCO's most crowded image has under 1,000
 
 
@@ -242,6 +263,73 @@ def _fitted_mask(data: bytes, size_in: tuple[int, int], size_out: tuple[int, int
     return buffer.getvalue()
 
 
+def encode_masks(size: tuple[int, int], counts: Sequence[str]) -> bytes:
+    """The ``masks.json`` bytes: the image's (height, width) and each object's compressed RLE
+    string (compact JSON, sorted keys)."""
+    record = {"counts": list(counts), "size": [int(size[0]), int(size[1])]}
+    return json.dumps(record, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+
+def read_masks(data: bytes) -> tuple[tuple[int, int], list[str]]:
+    """The (height, width) and RLE strings of ``masks.json`` bytes, their structure checked
+    (not the strings: `dlpipe.rle.check`).
+
+    Raises:
+        AnnotationError: not UTF-8 JSON, or not ``{"size": [H, W], "counts": [str, ...]}``.
+    """
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise AnnotationError(f"masks.json is not UTF-8 JSON ({exc})") from None
+    size = record.get("size") if isinstance(record, dict) else None
+    counts = record.get("counts") if isinstance(record, dict) else None
+    if not (
+        isinstance(size, list)
+        and len(size) == 2
+        and all(_is_int(v) and v >= 0 for v in size)
+        and isinstance(counts, list)
+        and all(isinstance(c, str) for c in counts)
+    ):
+        raise AnnotationError(
+            'masks.json is not {"size": [height, width], "counts": ["<RLE>", ...]}'
+        )
+    if len(counts) > _MAX_OBJECTS:
+        raise AnnotationError(f"masks.json holds {len(counts)} masks, over {_MAX_OBJECTS}")
+    return (size[0], size[1]), counts
+
+
+def _fitted_masks(
+    data: bytes, size_in: tuple[int, int], size_out: tuple[int, int], objects: int | None
+) -> bytes:
+    """``masks.json`` checked against the source image (its size, one decodable mask per
+    object), each mask resized to the stored image by nearest neighbour when they differ."""
+    from PIL import Image
+
+    (height, width), counts = read_masks(data)
+    if (width, height) != size_in:
+        raise AnnotationError(
+            f"masks.json is {width}x{height}, its image {size_in[0]}x{size_in[1]}"
+        )
+    if objects is not None and len(counts) != objects:
+        raise AnnotationError(
+            f"masks.json holds {len(counts)} masks for the {objects} objects of boxes.json"
+        )
+    for i, string in enumerate(counts):
+        try:
+            rle.check(string, (height, width))
+        except rle.RLEError as exc:
+            raise AnnotationError(
+                f"mask {i} of masks.json is no {width}x{height} mask: {exc}"
+            ) from None
+    if size_in == size_out:
+        return data
+    resized = []
+    for string in counts:  # the resize of seg.png: the same pixels chosen
+        mask = Image.fromarray(np.ascontiguousarray(rle.decode(string, (height, width))))
+        resized.append(rle.encode(np.asarray(mask.resize(size_out, Image.Resampling.NEAREST))))
+    return encode_masks((size_out[1], size_out[0]), resized)
+
+
 def fit_annotations(
     fields: dict[str, bytes],
     size_in: tuple[int, int],
@@ -257,22 +345,27 @@ def fit_annotations(
         num_classes: the dataset's class count, for box labels.
 
     Returns:
-        `fields`, with ``boxes.json`` scaled and ``seg.png`` resized when the sizes differ, and
-        every other image field of the source image's size resized with it (a single-channel
-        PNG by nearest neighbour, others with Lanczos).
+        `fields`, with ``boxes.json`` scaled and ``seg.png`` and ``masks.json`` resized when the
+        sizes differ, and every other image field of the source image's size resized with it
+        (a single-channel PNG by nearest neighbour, others with Lanczos).
 
     Raises:
         AnnotationError: a box outside the image, a degenerate box, an unknown label, a mask
-            of another size or not a label map.
+            of another size or not a label map, instance masks of another size, another count
+            than the boxes or not decodable.
     """
     out = dict(fields)
+    objects = None
     if BOXES_FIELD in fields:
         record = check_boxes(fields[BOXES_FIELD], *size_in, num_classes)
+        objects = len(record["boxes"])
         if size_in != size_out:
             sx, sy = size_out[0] / size_in[0], size_out[1] / size_in[1]
             out[BOXES_FIELD] = _scaled_boxes(record, sx, sy)
     if MASK_FIELD in fields:
         out[MASK_FIELD] = _fitted_mask(fields[MASK_FIELD], size_in, size_out)
+    if MASKS_FIELD in fields:
+        out[MASKS_FIELD] = _fitted_masks(fields[MASKS_FIELD], size_in, size_out, objects)
     if size_in != size_out:
         for name, data in fields.items():
             if name not in ("image", MASK_FIELD) and name.rsplit(".", 1)[-1] in _IMAGE_FORMATS:

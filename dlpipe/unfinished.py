@@ -63,12 +63,13 @@ CONVERT_OPTION_FLAGS = {
     "ray_address": "--ray-address",
     "keep_empty_classes": "--keep-empty-classes",
     "label_from": "--label-from",
+    "instance_masks": "--instance-masks",
 }
 """`dlpipe convert`'s options that shape a conversion (option -> flag): the ones its printed
 commands repeat, and the only ones a resume hint read from a journal may hold. The converters'
 `ConvertConfig` takes these options' flags from here (a test checks both name the same
 options); the core never imports the converters, so the list lives on this side."""
-_SWITCHES = frozenset({"--keep-empty-classes", "--seekable-jpeg"})  # flags without a value
+_SWITCHES = frozenset({"--keep-empty-classes", "--seekable-jpeg", "--instance-masks"})  # no value
 _RESUME_FLAGS = {flag: int(flag not in _SWITCHES) for flag in CONVERT_OPTION_FLAGS.values()}
 
 

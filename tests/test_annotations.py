@@ -16,11 +16,14 @@ from PIL import Image
 from test_source_table_layouts import convert, one_error_line
 
 import dlpipe
+from dlpipe import rle
 from dlpipe.annotations import (
     BOXES_SCHEMA,
+    INSTANCE_MASKS_SCHEMA,
     AnnotationError,
     check_boxes,
     encode_boxes,
+    encode_masks,
     fit_annotations,
     mask_schema,
     read_boxes,
@@ -146,6 +149,50 @@ def test_a_mask_that_is_no_label_map_of_the_image_is_refused(mask: bytes, rule: 
         fit_annotations({"seg.png": mask}, (80, 60), (80, 60))
 
 
+def instance_masks(width: int, height: int, count: int) -> tuple[list[np.ndarray], bytes]:
+    """`count` masks of a `width` x `height` image (a growing block each) and their bytes."""
+    masks = []
+    for i in range(count):
+        mask = np.zeros((height, width), np.uint8)
+        mask[i : 10 + 3 * i, 2 * i : 7 + 5 * i] = 1
+        masks.append(mask)
+    return masks, encode_masks((height, width), [rle.encode(m) for m in masks])
+
+
+def test_instance_masks_are_kept_and_resized_by_nearest_neighbour() -> None:
+    masks, data = instance_masks(80, 60, 2)
+    boxes = encode_boxes([[0, 0, 7, 10], [2, 1, 12, 13]], [0, 1])
+    fields = {"boxes.json": boxes, "masks.json": data}
+    assert fit_annotations(fields, (80, 60), (80, 60)) == fields  # unchanged bytes
+    record = json.loads(fit_annotations(fields, (80, 60), (40, 30))["masks.json"])
+    assert record["size"] == [30, 40] and len(record["counts"]) == 2
+    for mask, counts in zip(masks, record["counts"], strict=True):
+        resized = Image.fromarray(mask).resize((40, 30), Image.Resampling.NEAREST)
+        assert np.array_equal(rle.decode(counts, (30, 40)), np.asarray(resized))
+    assert dlpipe.decode_field("masks.json", data)["size"] == [60, 80]  # the json codec reads it
+
+
+@pytest.mark.parametrize(
+    ("data", "rule"),
+    [
+        (instance_masks(40, 60, 2)[1], "masks.json is 40x60, its image 80x60"),
+        (instance_masks(80, 60, 3)[1], "holds 3 masks for the 2 objects of boxes.json"),
+        (encode_masks((60, 80), ["52203", "0"]), "mask 0 of masks.json is no 80x60 mask"),
+        (encode_masks((60, 80), ["0ac0", "o"]), "mask 0 of masks.json is no 80x60 mask"),
+        (b'{"size": [60, 80], "counts": [1, 2]}', '"counts": ["<RLE>", ...]}'),
+        (b'{"size": [60], "counts": []}', '{"size": [height, width]'),
+        (b"\xff", "not UTF-8 JSON"),
+    ],
+)
+def test_instance_masks_that_do_not_fit_the_image_are_refused(data: bytes, rule: str) -> None:
+    fields = {
+        "boxes.json": encode_boxes([[0, 0, 7, 10], [2, 1, 12, 13]], [0, 1]),
+        "masks.json": data,
+    }
+    with pytest.raises(AnnotationError, match=re.escape(rule)):
+        fit_annotations(fields, (80, 60), (80, 60))
+
+
 def grouped_files(root: Path, boxes: dict[str, list], *, size=(80, 60)) -> Path:
     """A ``files`` layout: ``<key>.jpg``, ``<key>.boxes.json``, ``<key>.seg.png``, ``<key>.cls``."""
     root.mkdir(parents=True)
@@ -202,7 +249,7 @@ def manifest_json(**extra) -> dict:
         "dlpipe_version": "0.1.0",
         "format": "wds",
         "format_version": 1,
-        "fields": {"jpg": "image", "boxes.json": "json", "seg.png": "image"},
+        "fields": {"jpg": "image", "boxes.json": "json", "seg.png": "image", "masks.json": "json"},
         "classes": ["person", "bicycle", "car"],
         "splits": {
             "train": {
@@ -220,7 +267,11 @@ def manifest_json(**extra) -> dict:
 
 
 def test_the_manifest_keeps_task_schema_and_class_ids() -> None:
-    schema = {"boxes.json": BOXES_SCHEMA, "seg.png": mask_schema({1: "pet"}, ignore=255)}
+    schema = {
+        "boxes.json": BOXES_SCHEMA,
+        "seg.png": mask_schema({1: "pet"}, ignore=255),
+        "masks.json": INSTANCE_MASKS_SCHEMA,
+    }
     data = manifest_json(task="detection", field_schemas=schema, class_ids=[1, 2, 90])
     manifest = parse_manifest(json.dumps(data).encode(), "dlpipe.json")
     assert manifest.task == "detection" and manifest.class_ids == (1, 2, 90)

@@ -16,12 +16,16 @@ import numpy as np
 import pytest
 from conftest import error_records
 from PIL import Image
+from test_rle import pixel_centres
 
 import dlpipe
-from dlpipe.annotations import BOXES_SCHEMA
+from dlpipe import rle
+from dlpipe.annotations import BOXES_SCHEMA, INSTANCE_MASKS_SCHEMA
 from dlpipe.cli import main
 from dlpipe.converters import coco_json
 from dlpipe.converters.coco import CocoSource, split_of
+from dlpipe.converters.config import ConvertConfig, ConvertOptionError
+from dlpipe.converters.source import SampleError, SourceOptions
 from dlpipe.converters.sources import SOURCE_KINDS, open_source
 from dlpipe.sample import unescape_key
 
@@ -59,10 +63,27 @@ def _images(first_id: int, count: int, name: str = "{:012d}.jpg") -> list[dict[s
     ]  # fmt: skip
 
 
-def _annotation(ann_id: int, image_id: int, category: int, box: list[float], crowd: int = 0):
+def crowd_rle(box: list[float], width: int, height: int) -> dict[str, Any]:
+    """COCO's uncompressed RLE of a box's pixels (column-major runs, zeros first), made here."""
+    x0, y0, w, h = (round(v) for v in box)
+    counts, value, run = [], 0, 0
+    for x in range(width):
+        for y in range(height):
+            inside = int(x0 <= x < x0 + w and y0 <= y < y0 + h)
+            if inside != value:
+                counts.append(run)
+                value, run = inside, 0
+            run += 1
+    return {"counts": [*counts, run], "size": [height, width]}
+
+
+def _annotation(
+    ann_id: int, image_id: int, category: int, box: list[float], crowd: int = 0,
+    size: tuple[int, int] = SIZES[2],
+):  # fmt: skip
     segmentation: Any = _polygon(*box)
-    if crowd:  # COCO's crowd regions are uncompressed RLE
-        segmentation = {"counts": [5, 10, 20, 3, 100], "size": [30, 40]}
+    if crowd:  # COCO's crowd regions are uncompressed RLE (of the image's size)
+        segmentation = crowd_rle(box, *size)
     area = box[2] * box[3]
     return {"segmentation": segmentation, "area": area, "iscrowd": crowd, "image_id": image_id,
             "bbox": box, "category_id": category, "id": ann_id}  # fmt: skip
@@ -188,6 +209,7 @@ def test_coco_as_shipped_converts_every_box(tmp_path: Path, fmt: str, caplog) ->
     assert list(source["left_out"]) == ["test2017"]
     assert "no instances file reads it" in source["left_out"]["test2017"]
     assert source["orphan_annotations"] == 0
+    assert "--instance-masks converts them" in source["segmentation"]
     assert "images in <split>/ (COCO as shipped)" in source["layout"]
     assert not [r for r in caplog.records if "not read" in r.getMessage()]
 
@@ -554,8 +576,8 @@ _MEASURE = textwrap.dedent(
     from dlpipe.converters.coco_json import read_instances
     path, how = sys.argv[1], sys.argv[2]
     tracemalloc.start()  # Python's own allocations, after the imports: no page-cache noise
-    if how == "stream":
-        found = read_instances(path, sys.argv[3])
+    if how in ("stream", "spans"):
+        found = read_instances(path, sys.argv[3], spans=how == "spans")
         count = sum(len(v) for v in found.objects.values())
     else:
         with open(path) as f:
@@ -575,8 +597,9 @@ def _peak_kib(path: Path, how: str) -> dict[str, int]:
 @pytest.mark.slow
 def test_large_instances_file_is_read_with_bounded_memory(tmp_path: Path) -> None:
     """100k annotations (63 MB): the stream's peak of Python allocations is about 0.46x the file
-    (the compact per-annotation tuples it keeps; 29 MB on CPython 3.11); json.load, the
-    control, peaks at about 5x the file, so the bound tells them apart."""
+    (the compact per-annotation tuples it keeps; 29 MB on CPython 3.11), 0.54x with each
+    annotation's byte span (``--instance-masks``: 34 MB); json.load, the control, peaks at about
+    5x the file, so the bound tells them apart."""
     path = tmp_path / "instances_train.json"
     _write_large(path, images=10_000, per_image=10)
     size_kib = path.stat().st_size // 1024
@@ -584,6 +607,8 @@ def test_large_instances_file_is_read_with_bounded_memory(tmp_path: Path) -> Non
     assert stream["annotations"] == 100_000
     bound = size_kib * 6 // 10
     assert stream["kib"] < bound, (stream, size_kib)
+    spans = _peak_kib(path, "spans")  # --instance-masks: one int more per annotation
+    assert spans["annotations"] == 100_000 and spans["kib"] < bound, (spans, size_kib)
     control = _peak_kib(path, "load")
     assert control["annotations"] == 100_000 and control["kib"] > bound, (control, size_kib)
 
@@ -596,3 +621,183 @@ def test_dlpipe_train_refuses_a_detection_dataset_naming_its_task(tmp_path: Path
     (line,) = err.strip().splitlines()
     assert line.startswith("error: ") and "is a detection dataset" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- --instance-masks: masks.json ----------------------------------------------------------------
+
+
+def expected_masks(data: dict[str, Any]) -> dict[str, tuple[list[int], list[np.ndarray]]]:
+    """key → [height, width] and each object's mask, made here from the JSON: a rectangle's
+    polygon by pycocotools' pixel-centre rule (`test_rle.pixel_centres`), a crowd region by
+    expanding its column-major runs."""
+    expected = {}
+    for image in data["images"]:
+        h, w = image["height"], image["width"]
+        masks = []
+        for a in (a for a in data["annotations"] if a["image_id"] == image["id"]):
+            segmentation = a["segmentation"]
+            if isinstance(segmentation, dict):
+                runs = segmentation["counts"]
+                flat = np.repeat(np.arange(len(runs)) % 2, runs).astype(np.uint8)
+                masks.append(flat.reshape(w, h).T)
+            else:
+                x, y, bw, bh = a["bbox"]
+                masks.append(pixel_centres((x, y, x + bw, y + bh), h, w))
+        expected[os.path.splitext(image["file_name"])[0]] = ([h, w], masks)
+    return expected
+
+
+def stored_masks(out: Path, split: str) -> dict[str, dict[str, Any]]:
+    found = {}
+    for sample in dlpipe.open_dataset(out, split, rank=0, world_size=1):
+        record = json.loads(sample["masks.json"])
+        assert set(record) == {"size", "counts"}
+        boxes = json.loads(sample["boxes.json"])["boxes"]
+        assert len(record["counts"]) == len(boxes)
+        size = Image.open(io.BytesIO(sample["jpg"])).size
+        assert record["size"] == [size[1], size[0]]
+        masks = [rle.decode(c, record["size"]) for c in record["counts"]]
+        found[unescape_key(sample["__key__"])] = {**record, "masks": masks}
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["wds", "lmdb", "hdf5"])
+def test_instance_masks_in_every_format_are_pycocotools_masks(tmp_path: Path, fmt: str) -> None:
+    raw = make_coco(tmp_path / "coco")
+    out = tmp_path / "out"
+    assert convert(raw, out, fmt, "--instance-masks") == 0
+    manifest = dlpipe.read_manifest(str(out))
+    schemas = {"boxes.json": BOXES_SCHEMA, "masks.json": INSTANCE_MASKS_SCHEMA}
+    assert manifest.field_schemas == schemas and manifest.fields["masks.json"] == "json"
+    assert manifest.options["instance_masks"] is True and manifest.source["skipped"] == 0
+    assert manifest.source["unused"]["instance masks"] == 0
+    assert "converted" in manifest.source["segmentation"]
+    for split in ("train", "val"):
+        data = _load(raw / "annotations" / f"instances_{split}2017.json")
+        found, expected = stored_masks(out, split), expected_masks(data)
+        assert sorted(found) == sorted(expected)
+        for key, (size, masks) in expected.items():
+            assert found[key]["size"] == size and len(found[key]["masks"]) == len(masks)
+            for got, wanted in zip(found[key]["masks"], masks, strict=True):
+                assert np.array_equal(got, wanted), key
+    train = stored_masks(out, "train")
+    crowd = _load(raw / "annotations" / "instances_train2017.json")["annotations"][3]
+    assert crowd["iscrowd"] == 1  # its counts are kept as given, as frPyObjects keeps them
+    assert train["000000000003"]["counts"][0] == rle.string_of(crowd["segmentation"]["counts"])
+    assert train["000000000004"]["counts"] == []  # a background image: no objects, no masks
+
+
+def test_instance_masks_follow_max_side(tmp_path: Path) -> None:
+    raw = make_coco(tmp_path / "coco")
+    out = tmp_path / "out"
+    assert convert(raw, out, "wds", "--instance-masks", "--max-side", "24") == 0
+    found = stored_masks(out, "train")
+    expected = expected_masks(_load(raw / "annotations" / "instances_train2017.json"))
+    assert found["000000000001"]["size"] == [18, 24]  # 40x30 → 24x18
+    assert found["000000000004"]["size"] == [24, 24]  # not larger: kept
+    for key, (_, masks) in expected.items():
+        height, width = found[key]["size"]
+        for got, wanted in zip(found[key]["masks"], masks, strict=True):
+            resized = Image.fromarray(wanted).resize((width, height), Image.Resampling.NEAREST)
+            assert np.array_equal(got, np.asarray(resized)), key
+
+
+MASK_CASES = {
+    "rle-size": ({"counts": [1536], "size": [30, 40]}, "its RLE's size [30, 40] is not [48, 32]"),
+    "rle-sum": ({"counts": [5, 10], "size": [48, 32]}, "cover 15 pixels, not the 48x32 = 1536"),
+    "rle-string": ({"counts": "52203", "size": [48, 32]}, "cover 16 pixels, not the 48x32"),
+    "rle-negative": ({"counts": [1537, -1], "size": [48, 32]}, "not a list of integers >= 0"),
+    "polygon-text": ([[0, 0, "x", 0, 32, 48]], "polygon 0 is not a list of finite numbers"),
+    "polygon-far": ([[0, 0, 1e9, 0, 32, 48]], "polygon 0 has a coordinate beyond"),
+    "neither": (5, "5 is neither polygons nor an RLE"),
+}
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_a_bad_instance_mask_skips_only_its_image(tmp_path: Path, case: str, capsys) -> None:
+    raw = make_coco(tmp_path / "coco")
+    path = raw / "annotations" / "instances_train2017.json"
+    data = _load(path)
+    segmentation, rule = MASK_CASES[case]
+    next(a for a in data["annotations"] if a["id"] == 102)["segmentation"] = segmentation
+    write_json(path, data)
+    out = tmp_path / "out"
+    assert convert(raw, out, "wds", "--instance-masks") == 0
+    (error,) = error_records(out)
+    assert unescape_key(error["key"]) == "000000000002", error
+    assert "annotation 102" in error["error"] and rule in error["error"], error
+    assert sorted(stored_masks(out, "train")) == ["000000000001", "000000000003", "000000000004"]
+    capsys.readouterr()
+    assert convert(raw, tmp_path / "fail", "wds", "--instance-masks", "--on-error", "fail") == 2
+    assert rule in _one_error(capsys)
+    assert convert(raw, tmp_path / "boxes") == 0  # without the option the masks are not read
+
+
+def test_objects_without_segmentation_get_all_zero_masks(tmp_path: Path) -> None:
+    raw = tmp_path / "rf"
+    _roboflow(raw)  # Roboflow writes "segmentation": [] for box-only objects
+    out = tmp_path / "out"
+    assert convert(raw, out, "wds", "--instance-masks", source="auto") == 0
+    found = stored_masks(out, "train")
+    counts = [m for sample in found.values() for m in sample["masks"]]
+    assert len(counts) == 1 and not counts[0].any()
+
+
+def test_instance_masks_with_another_source_is_refused(tmp_path: Path, capsys) -> None:
+    folders = tmp_path / "folders"
+    for name in ("cat", "dog"):
+        (folders / name).mkdir(parents=True)
+        (folders / name / "a.jpg").write_bytes(_jpeg((8, 8), 1))
+    out = tmp_path / "out"
+    assert convert(folders, out, "wds", "--instance-masks", source="imagefolder") == 2
+    line = _one_error(capsys)
+    assert "--instance-masks" in line and "--source imagefolder" in line
+    assert convert(folders, out, "wds", "--instance-masks", source="auto") == 2
+    line = _one_error(capsys)
+    assert "reads as imagefolder" in line and "--instance-masks" in line
+    with pytest.raises(ConvertOptionError, match="--instance-masks"):
+        ConvertConfig.from_options(str(folders), "wds", source="voc", instance_masks=True)
+    assert not (out / "dlpipe.json").exists()
+
+
+def test_instance_masks_is_repeated_by_the_printed_resume_command(tmp_path: Path) -> None:
+    config = ConvertConfig.from_options(str(tmp_path / "raw"), "lmdb", instance_masks=True)
+    assert config.command("--resume").endswith(" --instance-masks --resume")
+
+
+def test_an_instances_file_changed_after_the_scan_skips_its_images(tmp_path: Path) -> None:
+    raw = make_coco(tmp_path / "coco")
+    source = CocoSource(str(raw), SourceOptions(instance_masks=True))
+    item = next(i for i in source.scan().items if i.key == "000000000001")
+    assert len(json.loads(source.load(item)["masks.json"])["counts"]) == 3
+    path = raw / "annotations" / "instances_train2017.json"
+    path.write_text(" " + path.read_text())  # every span moves by one byte
+    with pytest.raises(SampleError, match="changed since the scan"):
+        source.load(item)
+
+
+@pytest.mark.parametrize("bom", [False, True], ids=["plain", "bom"])
+@pytest.mark.parametrize("indent", [None, 2], ids=["compact", "indented"])
+def test_spans_point_at_each_annotation_across_buffer_edges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, indent: int | None, bom: bool
+) -> None:
+    """Byte spans through a 5-character buffer, in a file of multi-byte characters (UTF-8
+    names before and among the annotations) and an optional byte-order mark."""
+    monkeypatch.setattr(coco_json, "_CHUNK_CHARS", 5)
+    data = instances(_images(1, 4, "caf\u00e9-\u732b/{:03d}.jpg"), _train_annotations())
+    data["info"]["description"] = "\u00fcber \U0001f431 COCO"
+    for a in data["annotations"]:
+        a["note"] = "\u732b" * (a["id"] % 3)
+    path = tmp_path / "instances.json"
+    text = json.dumps(data, indent=indent, ensure_ascii=False)
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode("utf-8"))
+    found = coco_json.read_instances(str(path), str(tmp_path), spans=True)
+    stat = path.stat()
+    assert found.stamp == (stat.st_size, stat.st_mtime_ns) and found.spans is not None
+    raw, by_id = path.read_bytes(), {a["id"]: a for a in data["annotations"]}
+    spans = [(obj, span) for i in found.objects for obj, span in
+             zip(found.objects[i], found.spans[i], strict=True)]  # fmt: skip
+    assert len(spans) == len(by_id)
+    for obj, span in spans:
+        element = raw[span >> 32 : (span >> 32) + (span & 0xFFFFFFFF)]
+        assert json.loads(element) == by_id[obj[0]]
