@@ -55,7 +55,7 @@ _SPECIAL_CASE_OF = {
     "splitlist": ("imagefolder",),
     "voc": ("imagefolder",),  # voc-seg on the same tree is named in the warning
     "voc-seg": ("imagefolder",),
-    "yolo": ("imagefolder",),
+    "yolo": ("imagefolder", "splitlist", "files"),  # train.txt lists, x.jpg beside x.txt
     # an annotated layout's folders (annotations/, train2017/, labels/) are no classes, and a
     # metadata table that names the images is the layout, not a table beside class folders
     "coco": ("imagefolder",),
@@ -75,7 +75,7 @@ _WHY = {
     "splitlist": "it holds split lists (train.txt, val.txt, test.txt, trainval.txt)",
     "voc": "it has Pascal VOC's JPEGImages/, Annotations/ and ImageSets/Main/",
     "voc-seg": "it has Pascal VOC's SegmentationClass/ and ImageSets/Segmentation/",
-    "yolo": "it holds a YOLO data YAML (names, and train/val image folders or lists)",
+    "yolo": "it holds a YOLO data YAML (names, train/val) or Darknet's obj.data/obj.names",
     "coco": "it has annotations/instances_<split>.json (or <split>/_annotations.coco.json)",
     "filenames": "its images are named <label>_<number> (cat.0.jpg, Abyssinian_12.jpg)",
     "hf": "it holds Hugging Face metadata files (metadata.jsonl/csv/parquet, file_name)",

@@ -13,10 +13,11 @@ One tree, two tasks, two source kinds (the task is a choice of files, not an opt
   union and is read only when neither ``train.txt`` nor ``val.txt`` exists (split
   ``trainval``). Each sample: ``JPEGImages/<id>.jpg`` and ``boxes.json`` from
   ``Annotations/<id>.xml``: every ``<object>``'s ``<name>`` (one of VOC's 20 classes, label =
-  its index in `VOC_CLASSES`), its ``<bndbox>`` (1-based inclusive pixels, stored as the
-  pixel-edge box ``[xmin - 1, ymin - 1, xmax, ymax]``) and its ``difficult`` and ``truncated``
-  flags (0 when absent); ``pose``, ``occluded`` and the person-layout ``<part>`` boxes are not
-  kept. Auto-detection picks ``voc`` when ``ImageSets/Main/`` is there.
+  its index in `VOC_CLASSES`; or of a labelmap's classes, below), its ``<bndbox>`` (1-based
+  inclusive pixels, stored as the pixel-edge box ``[xmin - 1, ymin - 1, xmax, ymax]``) and its
+  ``difficult`` and ``truncated`` flags (0 when absent); ``pose``, ``occluded`` and the
+  person-layout ``<part>`` boxes are not kept. Auto-detection picks ``voc`` when
+  ``ImageSets/Main/`` is there.
 - ``voc-seg`` (semantic segmentation, torchvision's ``VOCSegmentation``): the ids of
   ``ImageSets/Segmentation/{train,val,test}.txt`` (``trainval.txt`` as above); each sample:
   the image and ``seg.png``, ``SegmentationClass/<id>.png``'s palette indices as a mode ``L``
@@ -25,13 +26,37 @@ One tree, two tasks, two source kinds (the task is a choice of files, not an opt
   ``background`` + the 20. Give ``--source voc-seg``; it is auto-detected only where
   ``ImageSets/Main/`` is missing.
 
+Custom classes (CVAT's and Datumaro's "Pascal VOC" exports): a ``labelmap.txt`` at the top of
+the year folder (`dlpipe.converters.voc_labelmap`: ``# label:color_rgb:parts:actions``, then
+one ``name:r,g,b:parts:actions`` line per label, e.g. ``background:0,0,0::``,
+``cat:128,0,0::``) replaces VOC's classes; its line in VOC's border colour ``224,224,192``
+(Datumaro's ``ignored``) is the void, not a class. ``voc``: classes = its names in file order
+without ``background`` (VOC detection has none). ``voc-seg``: classes = its names in file order
+(``background`` first, index 0, as both tools write it); a palette or greyscale mask keeps its
+values (value i = the labelmap's i-th label, 255 void); an RGB mask (what both tools write) is
+mapped colour by colour to its label's index, ``224,224,192`` to 255 when the labelmap lists
+it; a colour the labelmap does not list is a per-sample `SampleError` naming it. Without the
+file an RGB mask is refused as before. A malformed labelmap (a line without four ``:`` fields
+or a name, a colour that is not ``r,g,b`` 0-255, a name or colour given twice) is one
+`SourceError` naming the file and line; VOC's own 21 lines (Datumaro's default map, with or
+without ``ignored``) give exactly the classes and samples of a tree without it.
+
+Subset lists (`dlpipe.converters.voc_lists`; CVAT names them after its subsets, as Datumaro
+does): every ``ImageSets/Main/*.txt`` (voc-seg: ``ImageSets/Segmentation/*.txt``) but a
+per-class list ``<class>_<subset>.txt`` (a labelmap class, else one of VOC's) is read. Its
+name, case aside, maps as dlpipe's split names do (``Train`` → ``train``, ``Validation`` →
+``val``); ``trainval`` only as above; CVAT's ``default.txt`` gives no split (all to train, or
+``--val-fraction``); another name is its own split. A name that is not letters, digits and
+``_`` after mapping, or two files mapping to one name, is a `SourceError` naming the files.
+
 Keys are the ids (``2008_000008``). A split list whose line is not one id, an id listed twice
 or in two splits, or more than half of a list's ids without their image or annotation file is
 a `SourceError` naming the list; a ``test`` list whose ids mostly have no annotation (VOC2012's
 withheld test set) is left out (``source.left_out``). One sample's missing file, malformed XML
 (anything with a DTD or an entity declaration is refused unparsed), unknown class name, missing
-or reversed ``<bndbox>``, a flag that is not 0/1, or a mask that is no palette/greyscale PNG or
-holds a value outside 0-20 and 255, is a per-sample `SampleError`. ``source.unused`` counts the
+or reversed ``<bndbox>``, a flag that is not 0/1, or a mask that is no palette/greyscale PNG
+(or, with a labelmap, RGB PNG) or holds a value that is no class index and not 255 (outside
+0-20 and 255 for VOC's classes), is a per-sample `SampleError`. ``source.unused`` counts the
 annotation files, split lists (per-class lists, Action/Layout), masks (``SegmentationObject/``)
 and other files (images in no split list) that were not read.
 """
@@ -63,19 +88,20 @@ from dlpipe.converters.source import (
     image_kind_of_name,
     read_file,
 )
-from dlpipe.sample import make_key, unescape_key
+from dlpipe.converters.voc_labelmap import (
+    VOC_CLASSES,
+    VOC_LABELMAP,
+    VOID,
+    Labelmap,
+    read_labelmap,
+)
+from dlpipe.converters.voc_lists import check_once, read_ids, split_of, subset_lists
+from dlpipe.sample import make_key
 
 __all__ = ["VOC_CLASSES", "VocSegmentationSource", "VocSource", "read_voc_objects", "voc_roots"]
 
-VOC_CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair",
-               "cow", "diningtable", "dog", "horse", "motorbike", "person", "pottedplant",
-               "sheep", "sofa", "train", "tvmonitor")  # fmt: skip
-"""VOC's 20 object classes in the devkit's order (``VOCinit.m``)."""
-_INDEX = {name: i for i, name in enumerate(VOC_CLASSES)}
-_VOID = 255
-_SPLITS = ("train", "val", "test")
+_LABELMAP = "labelmap.txt"
 _NESTS = ((), ("VOCdevkit",), ("TrainVal", "VOCdevkit"))
-_MAX_LIST_BYTES = 16 << 20  # VOC2012's largest list (trainval.txt) is 180 KB
 _MAX_XML_BYTES = 1 << 20  # VOC's annotation files are 1-5 KB
 _MAX_MASK_BYTES = 64 << 20
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
@@ -89,19 +115,18 @@ class _Task:
     lists: str  # ImageSets/<lists>/
     folder: str  # where each sample's annotation lies
     suffix: str
-    classes: tuple[str, ...]
     schema: dict[str, dict[str, Any]]
     what: str  # the layout, for the description
 
 
 _DETECTION = _Task(
-    "detection", "Main", "Annotations", ".xml", VOC_CLASSES, {BOXES_FIELD: dict(BOXES_SCHEMA)},
+    "detection", "Main", "Annotations", ".xml", {BOXES_FIELD: dict(BOXES_SCHEMA)},
     "Annotations/, ImageSets/Main/ and JPEGImages/ (Pascal VOC detection; --source voc-seg "
     "reads SegmentationClass/ instead)",
 )  # fmt: skip
 _SEGMENTATION = _Task(
-    "segmentation", "Segmentation", "SegmentationClass", ".png", ("background", *VOC_CLASSES),
-    {MASK_FIELD: mask_schema(None, ignore=_VOID)},
+    "segmentation", "Segmentation", "SegmentationClass", ".png",
+    {MASK_FIELD: mask_schema(None, ignore=VOID)},
     "SegmentationClass/, ImageSets/Segmentation/ and JPEGImages/ (Pascal VOC semantic "
     "segmentation)",
 )  # fmt: skip
@@ -181,9 +206,10 @@ def _flag(obj: ElementTree.Element, tag: str, where: str) -> int:
     return int(text)
 
 
-def read_voc_objects(data: bytes, origin: str) -> bytes:
-    """The ``boxes.json`` of one VOC annotation file (`encode_boxes`, labels into
-    `VOC_CLASSES`, boxes ``[xmin - 1, ymin - 1, xmax, ymax]``, difficult and truncated flags).
+def read_voc_objects(data: bytes, origin: str, labelmap: Labelmap = VOC_LABELMAP) -> bytes:
+    """The ``boxes.json`` of one VOC annotation file (`encode_boxes`, labels into the
+    labelmap's detection classes, `VOC_CLASSES` by default, boxes
+    ``[xmin - 1, ymin - 1, xmax, ymax]``, difficult and truncated flags).
 
     Raises:
         SampleError: naming the file, the object and what is wrong with it.
@@ -192,12 +218,13 @@ def read_voc_objects(data: bytes, origin: str) -> bytes:
     if root.tag != "annotation":
         raise SampleError(f"{origin}: the root element is <{root.tag}>, not <annotation>")
     boxes: list[list[float]] = []
+    index = labelmap.detection_index
     labels, difficult, truncated = [], [], []
     for number, obj in enumerate(root.findall("object"), 1):
         name = (obj.findtext("name") or "").strip()
         where = f"{origin}: object {number} ({name[:40]!r})"
-        if name not in _INDEX:
-            raise SampleError(f"{where}: not one of VOC's 20 classes ({', '.join(VOC_CLASSES)})")
+        if name not in index:
+            raise SampleError(f"{where}: {labelmap.unknown_class('detection')}")
         box = obj.find("bndbox")
         if box is None:
             raise SampleError(f"{where}: has no <bndbox>")
@@ -207,17 +234,20 @@ def read_voc_objects(data: bytes, origin: str) -> bytes:
         if xmax < xmin or ymax < ymin:
             raise SampleError(f"{where}: <bndbox> {xmin}, {ymin}, {xmax}, {ymax} is reversed")
         boxes.append([xmin - 1, ymin - 1, xmax, ymax])
-        labels.append(_INDEX[name])
+        labels.append(index[name])
         difficult.append(_flag(obj, "difficult", where))
         truncated.append(_flag(obj, "truncated", where))
     return encode_boxes(boxes, labels, difficult=difficult, truncated=truncated)
 
 
-def read_voc_mask(data: bytes, origin: str) -> bytes:
-    """A ``SegmentationClass`` PNG's class indices as a mode ``L`` PNG.
+def read_voc_mask(data: bytes, origin: str, labelmap: Labelmap = VOC_LABELMAP) -> bytes:
+    """A ``SegmentationClass`` PNG's class indices as a mode ``L`` PNG: a palette or greyscale
+    PNG's values as they are, an RGB PNG's colours (read only with a ``labelmap.txt``) mapped
+    to their labels' indices.
 
     Raises:
-        SampleError: not a palette or greyscale PNG, or a value outside 0-20 and 255.
+        SampleError: another kind of image, a value that is no class index and not 255, or a
+            colour the labelmap does not list.
     """
     from PIL import Image
 
@@ -226,48 +256,35 @@ def read_voc_mask(data: bytes, origin: str) -> bytes:
         mask.load()
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
         raise SampleError(f"{origin}: not a readable PNG ({stable_message(exc)})") from None
-    if mask.format != "PNG" or mask.mode not in ("P", "L"):
+    modes = ("P", "L", "RGB") if labelmap.path else ("P", "L")
+    if mask.format != "PNG" or mask.mode not in modes:
+        coloured = f", or an RGB PNG in the colours of {labelmap.shown}" if labelmap.path else ""
         raise SampleError(
             f"{origin}: a {mask.format} image in mode {mask.mode}; a VOC class mask is a "
-            "palette (or greyscale) PNG whose pixel value is the class index"
+            f"palette (or greyscale) PNG whose pixel value is the class index{coloured}"
         )
-    pixels = np.asarray(mask)
-    bad = [int(v) for v in np.unique(pixels) if len(VOC_CLASSES) < v < _VOID]
-    if bad:
-        raise SampleError(
-            f"{origin}: pixel values {bad[:5]} are no class (0 = background, 1-20 the classes, "
-            "255 the void border)"
-        )
+    if mask.mode == "RGB":
+        pixels = labelmap.indices_of_colours(np.asarray(mask), origin)
+    else:
+        pixels = np.asarray(mask)
+        classes = labelmap.classes("segmentation")
+        of = f" of {labelmap.shown}" if labelmap.path else ""
+        bad = [int(v) for v in np.unique(pixels) if len(classes) <= v < VOID]
+        if bad:
+            raise SampleError(
+                f"{origin}: pixel values {bad[:5]} are no class (0 = {classes[0]}, "
+                f"1-{len(classes) - 1} the classes{of}, 255 the void border)"
+            )
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
-def _read_ids(root: str, path: str) -> list[tuple[int, str]]:
-    """(line number, id) of a split list: one id a line."""
-    try:
-        text = read_file(path, root, max_bytes=_MAX_LIST_BYTES).decode("utf-8-sig")
-    except (SampleError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{display_path(path)}: {exc}; restore it from the download") from exc
-    ids = []
-    for number, line in enumerate(text.splitlines(), 1):
-        word = line.strip()
-        if not word:
-            continue
-        if len(word.split()) != 1 or "/" in word or "\\" in word or word.startswith("."):
-            raise SourceError(
-                f"{display_path(path)} line {number}: {word[:40]!r} is not one image id (a "
-                "split list holds one id a line, such as 2008_000008; per-class lists "
-                "'<id> 1' are not split lists)"
-            )
-        ids.append((number, word))
-    return ids
-
-
 class _VocSource(Source):
-    """What both VOC tasks share: the year folder, the split lists, the items."""
+    """What both VOC tasks share: the year folder, its labelmap, the split lists, the items."""
 
     layout: ClassVar[_Task]
+    _labelmap: Labelmap = VOC_LABELMAP  # the scan's, carried to the workers' loads
 
     @classmethod
     def detect(cls, root: str, listings: Listings | None = None) -> bool:
@@ -295,50 +312,48 @@ class _VocSource(Source):
             )
         return roots[0]
 
-    def _lists(self, year: str) -> dict[str, str]:
-        """Split → its list file: train/val/test, or trainval when neither train nor val."""
+    def _lists(self, year: str, files: dict[str, RawEntry]) -> dict[str, str]:
+        """Subset name → its list file (`dlpipe.converters.voc_lists`)."""
         folder = os.path.join(year, "ImageSets", self.layout.lists)
-        found = {s: os.path.join(folder, f"{s}.txt") for s in _SPLITS}
-        found = {s: p for s, p in found.items() if os.path.lexists(p)}
-        trainval = os.path.join(folder, "trainval.txt")
-        if "train" not in found and "val" not in found and os.path.lexists(trainval):
-            found["trainval"] = trainval
-        if not found:
-            raise SourceError(
-                f"{display_path(folder)}: no split list (train.txt, val.txt, trainval.txt); "
-                "restore ImageSets/ from the VOC download"
-            )
-        return found
+        return subset_lists(folder, files, self._labelmap.names)
 
     def scan(self) -> Scan:
         year = self._year_folder()
         tree = RawTree(self.root, self.take_listings())
         files = {e.path: e for e in tree.files(year)}
         images = _by_stem(files, os.path.join(year, "JPEGImages"))
-        items: list[Item] = []
+        labelmap_path = os.path.join(year, _LABELMAP)
+        if os.path.lexists(labelmap_path):
+            self._labelmap = read_labelmap(labelmap_path, self.raw_folder)
+        classes = self._labelmap.classes(self.layout.task)
+        lists = self._lists(year, files)
+        items_of: dict[str, list[Item]] = {}
         left_out: dict[str, str] = {}
-        lists = self._lists(year)
-        for split, path in lists.items():
-            found = self._split_items(year, split, path, images, files)
+        for name, path in lists.items():
+            found = self._split_items(year, name, path, images, files)
             if isinstance(found, str):
-                left_out[split] = found
+                left_out[name] = found
             else:
-                items += found
-        _check_once(items, lists)
+                items_of[name] = found
+        check_once(items_of, lists)
+        items = [item for found in items_of.values() for item in found]
         used = set(lists.values()) | {p for item in items for p in item.ref[:2] if p}
+        used |= {self._labelmap.path} if self._labelmap.path else set()
         description = {
             "kind": self.kind,
             "root": display_path(self.root),
             "year_folder": display_path(year),
             "layout": f"{display_path(os.path.basename(year))}/ holds {self.layout.what}",
-            "split_lists": {split: display_path(path) for split, path in lists.items()},
+            "split_lists": {name: display_path(path) for name, path in lists.items()},
             "unused": _unused(year, files, used),
             **tree.report(),
         }
+        if self._labelmap.path:
+            description["labelmap"] = self._labelmap.shown
         if left_out:
             description["left_out"] = left_out
         return Scan(
-            classes=self.layout.classes,
+            classes=classes,
             items=tuple(items),
             description=description,
             task=self.layout.task,
@@ -348,15 +363,15 @@ class _VocSource(Source):
     def _split_items(
         self,
         year: str,
-        split: str,
+        name: str,
         path: str,
         images: dict[str, RawEntry],
         files: dict[str, RawEntry],
     ) -> list[Item] | str:
-        """The split's items (one with a problem per id missing a file), or why a test split
-        whose annotations are withheld is left out."""
+        """The items of subset `name` (one with a problem per id missing a file), or why a
+        test list whose annotations are withheld is left out."""
         task, shown = self.layout, display_path(path)
-        ids = _read_ids(self.raw_folder, path)
+        ids = read_ids(self.raw_folder, path)
         items, lacking, unannotated = [], [], 0
         for number, ident in ids:
             image = images.get(ident)
@@ -373,12 +388,11 @@ class _VocSource(Source):
             size = sum(e.size for e in (image, annotation) if e is not None)
             kind = image_kind_of_name(image.name) if image else "jpg"
             ref = (image and image.path, annotation and annotation.path, problem)
-            items.append(
-                Item(key, None, split, ref, size, kind, origin, ident if shortened else None)
-            )
+            long_id = ident if shortened else None
+            items.append(Item(key, None, split_of(name), ref, size, kind, origin, long_id))
         if ids and len(lacking) * 2 <= len(ids):
             return items
-        if split == "test" and ids and unannotated * 2 > len(ids):
+        if name == "test" and ids and unannotated * 2 > len(ids):
             return f"{shown}: {unannotated} of its {len(ids)} ids have no {task.folder}/ file"
         first = lacking[0] if lacking else f"{shown} lists no id"
         more = f", nor do {len(lacking) - 1} more of its {len(ids)} ids" if len(lacking) > 1 else ""
@@ -395,25 +409,11 @@ class _VocSource(Source):
         origin = display_path(annotation)
         if self.layout is _DETECTION:
             data = read_file(annotation, self.raw_folder, max_bytes=_MAX_XML_BYTES)
-            fields[BOXES_FIELD] = read_voc_objects(data, origin)
+            fields[BOXES_FIELD] = read_voc_objects(data, origin, self._labelmap)
         else:
             data = read_file(annotation, self.raw_folder, max_bytes=_MAX_MASK_BYTES)
-            fields[MASK_FIELD] = read_voc_mask(data, origin)
+            fields[MASK_FIELD] = read_voc_mask(data, origin, self._labelmap)
         return fields
-
-
-def _check_once(items: list[Item], lists: dict[str, str]) -> None:
-    """Refuse an id listed twice, in one split list or in two (a leak between splits)."""
-    seen: dict[str, str] = {}
-    for item in items:
-        split = item.split or ""
-        if item.key in seen:
-            raise SourceError(
-                f"{display_path(lists[split])}: id {unescape_key(item.key)!r} is listed twice "
-                f"(also in {display_path(lists[seen[item.key]])}); each image belongs to one "
-                "split (restore the lists from the VOC download)"
-            )
-        seen[item.key] = split
 
 
 def _by_stem(files: dict[str, RawEntry], folder: str) -> dict[str, RawEntry]:

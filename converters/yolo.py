@@ -28,6 +28,9 @@ reads it (``segments2boxes``; the schema says ``"polygons": "bounding box"``). W
 coordinate may lie up to 0.01 outside [0, 1] (Ultralytics' tolerance); boxes are clipped to
 the image. An image without a label file, or with an empty one, is a background image.
 
+Without a data YAML, Darknet's layout (darknet's ``obj.data``, CVAT's "YOLO 1.1" export) is read
+as `dlpipe.converters.yolo_darknet` says: ``x.txt`` beside each image, lines as above.
+
 Produces one sample per image: the image and ``boxes.json`` (`dlpipe.annotations`: pixel XYXY
 ``[(cx - w/2) W, (cy - h/2) H, (cx + w/2) W, (cy + h/2) H]``, W x H from the image's header;
 labels = class positions), task ``detection``, splits as the YAML names them. Key: the image's
@@ -44,9 +47,9 @@ is a per-sample `SampleError`.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from typing import Any
 
 from dlpipe.annotations import BOXES_FIELD, BOXES_SCHEMA, encode_boxes
 from dlpipe.codecs import image_size, open_image, stable_message
@@ -64,11 +67,17 @@ from dlpipe.converters.source import (
 )
 from dlpipe.converters.yolo_config import (
     Labels,
+    Layout,
     classes_of,
     data_yamls,
-    dataset_root,
     find_data_yaml,
-    split_entries,
+    ultralytics_layout,
+)
+from dlpipe.converters.yolo_darknet import (
+    DarknetConfig,
+    darknet_file,
+    darknet_layout,
+    darknet_paths,
 )
 from dlpipe.sample import make_key
 
@@ -82,6 +91,15 @@ _CLASS = re.compile(r"\d+(?:\.0*)?")
 _IMAGES, _LABELS = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
 _ORIENTATION = 0x0112
 BOXES_FROM_POLYGONS = {**BOXES_SCHEMA, "polygons": "bounding box"}
+_LABELS_LIE = {  # by Layout.darknet
+    False: "YOLO labels lie in a labels/ folder beside images/ (images/train/x.jpg → "
+    "labels/train/x.txt)",
+    True: "Darknet's lie beside each image (obj_train_data/x.jpg → obj_train_data/x.txt)",
+}
+_ROWS_FROM = {
+    False: "the list's folder (./images/train/x.jpg)",
+    True: "the folder holding data/ (data/obj_train_data/x.jpg)",
+}
 
 
 def label_path(image: str, top: str) -> str:
@@ -179,63 +197,73 @@ class YoloSource(Source):
     @classmethod
     def detect(cls, root: str, listings: Listings | None = None) -> bool:
         """True when `root` is, or holds at its top, a YAML with ``names`` and ``train`` or
-        ``val``."""
-        return bool(data_yamls(root))
+        ``val``, or Darknet's ``obj.data`` (see `darknet_file`)."""
+        return bool(data_yamls(root)) or darknet_file(root) is not None
 
     @property
     def _top(self) -> str:
         """The folder the samples are looked for in: `root`, or the YAML file's folder."""
         return self.root if os.path.isdir(self.root) else os.path.dirname(self.root)
 
-    def _config(self) -> tuple[str, dict[str, Any]]:
-        return find_data_yaml(self.root, self.raw_folder)
+    @functools.cached_property
+    def _darknet(self) -> DarknetConfig | None:
+        """Darknet's description of the dataset, when it has that and no data YAML."""
+        path = None if data_yamls(self.root) else darknet_file(self.root)
+        return None if path is None else DarknetConfig.read(path, self._top, self.raw_folder)
 
     def _rules(self) -> Labels:
         """Class id → label and the pose line length, from the YAML (once per process)."""
-        if self._labels is None:
-            path, data = self._config()
+        if self._labels is None and self._darknet is not None:
+            self._labels = self._darknet.labels
+        elif self._labels is None:
+            path, data = find_data_yaml(self.root, self.raw_folder)
             _, ids = classes_of(data, display_path(path))
             self._labels = Labels.of(ids, data, display_path(path))
         return self._labels
 
+    def _layout(self, files: dict[str, RawEntry], left_out: dict[str, str]) -> Layout:
+        if self._darknet is not None:
+            return darknet_layout(self._darknet, self._top, files, left_out)
+        path, data = find_data_yaml(self.root, self.raw_folder)
+        return ultralytics_layout(path, data, self._top, files, left_out)
+
     def scan(self) -> Scan:
-        path, data = self._config()
-        shown, top = display_path(path), self._top
-        classes, ids = classes_of(data, shown)
-        self._labels = rules = Labels.of(ids, data, shown)
-        root = dataset_root(data, os.path.dirname(path), top, shown)
+        top = self._top
         tree = RawTree(top, self.take_listings())
         files = {e.path: e for e in tree.files(top)}
         left_out: dict[str, str] = {}
-        splits = split_entries(data, root, top, files, shown, left_out)
-        scanner = _SplitScanner(top, files, tree, self.raw_folder)
+        layout = self._layout(files, left_out)
+        self._labels = layout.labels
+        scanner = _SplitScanner(top, files, tree, self.raw_folder, layout.darknet)
         items: list[Item] = []
-        for split, entries in splits.items():
+        for split, entries in layout.splits.items():
             found = scanner.items(split, entries)
             if isinstance(found, str):
                 left_out[split] = found
             else:
                 items += found
         if not items:
-            raise SourceError(f"{shown}: its splits hold no images")
-        used = {path, *scanner.lists} | {p for it in items for p in it.ref[:2] if p}
+            raise SourceError(f"{display_path(layout.config)}: its splits hold no images")
+        used = {layout.config, *layout.read, *scanner.lists}
+        used |= {p for it in items for p in it.ref[:2] if p}
         description = {
             "kind": self.kind,
             "root": display_path(self.root),
-            "config": shown,
-            "dataset_root": display_path(root),
-            "layout": _why(os.path.basename(path), data, classes, splits),
-            "splits": {s: [display_path(p) for p, _ in e] for s, e in splits.items()},
+            "config": display_path(layout.config),
+            "dataset_root": display_path(layout.root),
+            "layout": layout.why,
+            "splits": {s: [display_path(p) for p, _ in e] for s, e in layout.splits.items()},
             "background_images": sum(1 for it in items if it.ref[1] is None and not it.ref[2]),
-            "unused": _unused(top, files, used),
+            "unused": _unused(top, files, used, layout.darknet),
             **tree.report(),
         }
-        if rules.fields is not None:
+        if layout.labels.fields is not None:
             description["keypoints"] = "not kept (the boxes are)"
         if left_out:
             description["left_out"] = left_out
+        ids = layout.ids
         return Scan(
-            classes=classes,
+            classes=layout.classes,
             items=tuple(items),
             description=description,
             task="detection",
@@ -266,12 +294,14 @@ class YoloSource(Source):
 
 
 class _SplitScanner:
-    """The items of each split, refusing an image in two splits."""
+    """The items of each split, refusing an image in two splits; of Darknet's layout, list rows
+    read as Darknet reads them (`darknet_paths`), each label file beside its image."""
 
     def __init__(
-        self, top: str, files: dict[str, RawEntry], tree: RawTree, raw_folder: str
+        self, top: str, files: dict[str, RawEntry], tree: RawTree, raw_folder: str, darknet: bool
     ) -> None:
         self.top, self.files, self.tree, self.raw_folder = top, files, tree, raw_folder
+        self.darknet = darknet  # Layout.darknet
         self.images = sorted(p for p in files if os.path.splitext(p)[1].lower() in IMAGE_SUFFIXES)
         self.lists: list[str] = []
         self.split_of: dict[str, str] = {}
@@ -296,12 +326,19 @@ class _SplitScanner:
         if split == "test":
             return f"{shown}: {what}"
         if items:
-            expected = display_path(label_path(items[0].ref[0], self.top))
+            expected = display_path(self._label_of(items[0].ref[0]))
             what += f" ({items[0].origin} would have {expected})"
-        raise SourceError(
-            f"{split} ({shown}): {what}; YOLO labels lie in a labels/ folder beside images/ "
-            "(images/train/x.jpg → labels/train/x.txt)"
-        )
+        raise SourceError(f"{split} ({shown}): {what}; {_LABELS_LIE[self.darknet]}")
+
+    def _label_of(self, image: str) -> str:
+        return os.path.splitext(image)[0] + ".txt" if self.darknet else label_path(image, self.top)
+
+    def _image_of(self, name: str, folder: str) -> str:
+        """The image a list row names: relative to the list's `folder` (Darknet: see
+        `darknet_paths`); the first place looked when it names none."""
+        tries = [os.path.normpath(os.path.join(folder, name))]
+        tries = darknet_paths(name, self.top, folder) if self.darknet else tries
+        return next((p for p in tries if p in self.files), tries[0])
 
     def _listed(self, path: str) -> list[tuple[str, str, str | None]]:
         """The rows of an image list: a path a line, relative to the list's folder."""
@@ -317,7 +354,7 @@ class _SplitScanner:
             name = line.strip()
             if not name or os.path.splitext(name)[1].lower() not in IMAGE_SUFFIXES:
                 continue
-            image = os.path.normpath(os.path.join(os.path.dirname(path), name))
+            image = self._image_of(name, os.path.dirname(path))
             if image in self.files:
                 rows.append((image, relative_path(image, self.top), None))
             else:
@@ -327,14 +364,14 @@ class _SplitScanner:
         if len(missing) * 2 > len(rows):
             raise SourceError(
                 f"{missing[0]}, nor do {len(missing) - 1} more of its {len(rows)} rows; "
-                "write each path relative to the list's folder (./images/train/x.jpg)"
+                f"write each path relative to {_ROWS_FROM[self.darknet]}"
             )
         return rows
 
     def _item(self, split: str, image: str, text: str, problem: str | None) -> Item:
         label = None
         if problem is None:
-            found = label_path(image, self.top)
+            found = self._label_of(image)
             if found in self.files:
                 label = found
             elif display_path(found) in self.tree.skipped:
@@ -367,26 +404,11 @@ class _SplitScanner:
         return items
 
 
-def _why(
-    name: str,
-    data: dict[str, Any],
-    classes: tuple[str, ...],
-    splits: dict[str, list[tuple[str, bool]]],
-) -> str:
-    entries = "; ".join(
-        f"{s}: {', '.join(display_path(p) for p, _ in e)}" for s, e in splits.items()
-    )
-    export = ", a Roboflow export" if "roboflow" in data else ""
-    return (
-        f"{name} names {len(classes)} classes and the splits ({entries}) (Ultralytics YOLO{export})"
-    )
-
-
-def _unused(top: str, files: dict[str, RawEntry], used: set[str]) -> dict[str, int]:
+def _unused(top: str, files: dict[str, RawEntry], used: set[str], darknet: bool) -> dict[str, int]:
     """What was not read: label files of no image, other files."""
     counts = dict.fromkeys(("annotation files", "split lists", "masks", "other"), 0)
     for path in files:
         if path not in used:
-            label = path.endswith(".txt") and _LABELS in path[len(top) :]
+            label = path.endswith(".txt") and (darknet or _LABELS in path[len(top) :])
             counts["annotation files" if label else "other"] += 1
     return counts

@@ -1,7 +1,8 @@
 """The data YAML of the ``yolo`` source (`dlpipe.converters.yolo`): found at the top of the raw
 folder, read with ``yaml.safe_load``, checked (``names``, ``nc``, ``kpt_shape``), and its
 ``path``, ``train``, ``val`` and ``test`` resolved to image folders and lists inside the raw
-folder.
+folder; and the `Layout` both YOLO layouts (this one and `dlpipe.converters.yolo_darknet`'s)
+give the scan.
 """
 
 from __future__ import annotations
@@ -26,11 +27,17 @@ from dlpipe.converters.source import (
 
 __all__ = [
     "Labels",
+    "Layout",
+    "Splits",
     "classes_of",
     "data_yamls",
     "dataset_root",
+    "describe",
     "find_data_yaml",
+    "first_inside",
+    "is_inside",
     "split_entries",
+    "ultralytics_layout",
 ]
 
 _MAX_YAML_BYTES = 1 << 20  # COCO's YAML is 3 KB, Objects365's 10 KB
@@ -49,6 +56,46 @@ class Labels:
     @classmethod
     def of(cls, ids: list[int], data: dict[str, Any], shown: str) -> Labels:
         return cls({class_id: i for i, class_id in enumerate(ids)}, _pose_fields(data, shown))
+
+
+Splits = dict[str, list[tuple[str, bool]]]  # split -> its (folder or list file, is a list)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a YOLO dataset's description file says, resolved inside the raw folder."""
+
+    config: str  # the file that describes the dataset (data YAML, obj.data)
+    classes: tuple[str, ...]
+    ids: list[int]
+    labels: Labels
+    root: str  # the folder the splits are read from
+    splits: Splits
+    why: str  # the manifest's "layout"
+    darknet: bool = False  # Darknet's: list rows read as Darknet does, labels beside images
+    read: tuple[str, ...] = ()  # other files it was read from (Darknet's names file)
+
+
+def describe(name: str, classes: tuple[str, ...], splits: Splits, what: str) -> str:
+    """The manifest's ``layout`` line: the file, its class count, splits and layout name."""
+    entries = "; ".join(
+        f"{s}: {', '.join(display_path(p) for p, _ in e)}" for s, e in splits.items()
+    )
+    return f"{display_path(name)} names {len(classes)} classes and the splits ({entries}) ({what})"
+
+
+def ultralytics_layout(
+    path: str, data: dict[str, Any], top: str, files: dict[str, RawEntry], left_out: dict[str, str]
+) -> Layout:
+    """The `Layout` of the data YAML at `path` (its `data`), splits resolved inside `top`."""
+    shown = display_path(path)
+    classes, ids = classes_of(data, shown)
+    labels = Labels.of(ids, data, shown)
+    root = dataset_root(data, os.path.dirname(path), top, shown)
+    splits = split_entries(data, root, top, files, shown, left_out)
+    export = ", a Roboflow export" if "roboflow" in data else ""
+    why = describe(os.path.basename(path), classes, splits, f"Ultralytics YOLO{export}")
+    return Layout(path, classes, ids, labels, root, splits, why)
 
 
 def _load_yaml(path: str, folder: str) -> Any:
@@ -102,7 +149,8 @@ def _choose(root: str, found: list[tuple[str, dict[str, Any]]]) -> tuple[str, di
     if not found:
         raise SourceError(
             f"{display_path(root)}: no data YAML at its top (a *.yaml with names: and train: "
-            "or val:, such as Ultralytics' data.yaml); give the YAML file or its folder"
+            "or val:, such as Ultralytics' data.yaml) and no Darknet obj.data; give the YAML "
+            "file or its folder"
         )
     by_name = {os.path.basename(p).lower(): (p, v) for p, v in found}
     stem = os.path.basename(root.rstrip(os.sep)).lower()
@@ -196,7 +244,8 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _under(path: str, top: str) -> bool:
+def is_inside(path: str, top: str) -> bool:
+    """True when the normalised `path` is `top` or below it."""
     return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
 
 
@@ -209,7 +258,7 @@ def dataset_root(data: dict[str, Any], folder: str, top: str, shown: str) -> str
     if not isinstance(value, str):
         raise SourceError(f"{shown}: path is {_shown(value)}, not a folder name; fix the YAML")
     path = os.path.normpath(os.path.join(folder, value))
-    if _under(path, top) and os.path.isdir(path):
+    if is_inside(path, top) and os.path.isdir(path):
         return path
     log.warning(
         "%s: path %r is no folder inside the raw folder; the splits are read relative to %s, "
@@ -228,9 +277,9 @@ def split_entries(
     files: dict[str, RawEntry],
     shown: str,
     left_out: dict[str, str],
-) -> dict[str, list[tuple[str, bool]]]:
+) -> Splits:
     """Split → its (folder or list file, is a list) entries, resolved inside `top`."""
-    found: dict[str, list[tuple[str, bool]]] = {}
+    found: Splits = {}
     for key, split in _SPLIT_KEYS:
         value = data.get(key)
         if value is None or value in ("", []) or split in found:
@@ -264,9 +313,14 @@ def _resolve(
     """(folder or list file, is a list) that `value` names below `top`, or None; ``../x``
     naming nothing there is read as ``x`` (Ultralytics' rule for Roboflow's YAMLs)."""
     tries = [value, value[3:]] if value.startswith("../") else [value]
-    for rel in tries:
-        path = os.path.normpath(os.path.join(root, rel))
-        if not _under(path, top):
+    return first_inside([os.path.join(root, rel) for rel in tries], top, files)
+
+
+def first_inside(paths: list[str], top: str, files: dict[str, RawEntry]) -> tuple[str, bool] | None:
+    """(folder or list file, is a list) of the first of `paths` that names a real folder or a
+    listed file inside `top` (never a path out of it), or None."""
+    for path in map(os.path.normpath, paths):
+        if not is_inside(path, top):
             continue
         if os.path.isdir(path) and not os.path.islink(path):
             return path, False
