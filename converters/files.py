@@ -35,6 +35,7 @@ from dlpipe.converters.source import (
     display_path,
     image_kind_of_name,
     read_file,
+    read_text,
 )
 from dlpipe.errors import InvalidFieldError
 from dlpipe.sample import check_field_name, make_key
@@ -97,13 +98,8 @@ class FilesSource(Source):
         path = os.path.join(self.root, _CLASSES_FILE)
         if not os.path.lexists(path):
             return ()
-        try:
-            text = read_file(path, self.raw_folder, max_bytes=_MAX_CLASSES_BYTES).decode("utf-8")
-        except (SampleError, UnicodeDecodeError) as exc:
-            raise SourceError(
-                f"{display_path(path)}: cannot be read as a UTF-8 list of class names ({exc}); "
-                "fix or remove it"
-            ) from exc
+        fix = "classes.txt holds one UTF-8 class name a line: fix or remove it"
+        text = read_text(path, self.raw_folder, max_bytes=_MAX_CLASSES_BYTES, fix=fix)
         return tuple(line.strip() for line in text.splitlines() if line.strip())
 
     def _scan_split(self, tree: RawTree, split: str | None, folder: str) -> list[Item]:

@@ -47,6 +47,7 @@ from dlpipe.converters.source import (
     image_kind_of_name,
     raw_folder_of,
     read_file,
+    read_text,
 )
 from dlpipe.sample import make_key
 
@@ -77,17 +78,19 @@ def _inside(root: str, path: str) -> None:
 
 def _read_text(root: str, path: str) -> str:
     """A label file's text: a regular UTF-8 file inside `root`, at most 64 MiB."""
-    try:
-        return _read_label_file(root, path).decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise SourceError(f"{display_path(path)}: not UTF-8 text ({exc}); restore it") from exc
+    _check_present(path)
+    return read_text(path, raw_folder_of(root), max_bytes=_MAX_LABEL_FILE_BYTES, fix="restore it")
 
 
-def _read_label_file(root: str, path: str, max_bytes: int = _MAX_LABEL_FILE_BYTES) -> bytes:
+def _check_present(path: str) -> None:
     if not os.path.lexists(path):
         raise SourceError(
             f"{display_path(path)} is missing; it holds the labels (restore it from the download)"
         )
+
+
+def _read_label_file(root: str, path: str, max_bytes: int = _MAX_LABEL_FILE_BYTES) -> bytes:
+    _check_present(path)
     try:
         return read_file(path, raw_folder_of(root), max_bytes=max_bytes)
     except SampleError as exc:

@@ -39,6 +39,7 @@ from dlpipe.converters.source import (
     display_path,
     image_kind_of_name,
     read_file,
+    read_text,
 )
 from dlpipe.sample import make_key
 
@@ -51,7 +52,7 @@ __all__ = [
     "failed",
     "find_base",
     "join",
-    "read_text",
+    "read_list_file",
     "shown_line",
 ]
 
@@ -107,7 +108,7 @@ class Listing:
     description: dict[str, Any] = field(default_factory=dict)
 
 
-def read_text(raw_folder: str, path: str, what: str = "the split lists") -> str:
+def read_list_file(raw_folder: str, path: str, what: str = "the split lists") -> str:
     """A list file's UTF-8 text (at most 64 MiB, a regular file inside `raw_folder`).
 
     Raises:
@@ -115,12 +116,7 @@ def read_text(raw_folder: str, path: str, what: str = "the split lists") -> str:
     """
     if not os.path.lexists(path):
         raise SourceError(f"{display_path(path)} is missing; it holds {what} (restore it)")
-    try:
-        return read_file(path, raw_folder, max_bytes=_MAX_LIST_BYTES).decode("utf-8-sig")
-    except SampleError as exc:
-        raise SourceError(str(exc)) from None
-    except UnicodeDecodeError as exc:
-        raise SourceError(f"{display_path(path)}: not UTF-8 text ({exc}); restore it") from None
+    return read_text(path, raw_folder, max_bytes=_MAX_LIST_BYTES, fix="restore it")
 
 
 def data_lines(text: str) -> Iterator[tuple[int, str]]:

@@ -15,7 +15,7 @@ from dlpipe.converters.listed import (
     failed,
     find_base,
     join,
-    read_text,
+    read_list_file,
     shown_line,
 )
 from dlpipe.converters.raw_tree import RawEntry
@@ -94,7 +94,7 @@ class OxfordPetsSource(ListedSource):
     def _lines(self, rel: str) -> list[tuple[str, int, list[str]]]:
         path = self.path(rel)
         shown = display_path(path)
-        text = read_text(self.raw_folder, path)
+        text = read_list_file(self.raw_folder, path)
         return [(shown, number, line.split()) for number, line in data_lines(text)]
 
     def unused_kind(self, rel: str) -> str:

@@ -70,6 +70,7 @@ __all__ = [
     "open_regular",
     "raw_folder_of",
     "read_file",
+    "read_text",
     "unlistable",
 ]
 
@@ -358,3 +359,19 @@ def image_kind_of_name(name: str) -> str | None:
     if suffix not in IMAGE_SUFFIXES:
         return None
     return {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}.get(suffix, "other")
+
+
+def read_text(path: str, folder: str, *, max_bytes: int, fix: str) -> str:
+    """A small raw text file (a list, a class table, a label map) as UTF-8, a byte-order mark
+    dropped; read as `read_file` reads (a regular file inside `folder`, at most `max_bytes`).
+
+    Raises:
+        SourceError: ``<path>: <why>; <fix>``, the file being unreadable, too large, not a
+            regular file inside `folder`, or not UTF-8.
+    """
+    try:
+        return read_file(path, folder, max_bytes=max_bytes).decode("utf-8-sig")
+    except SampleError as exc:
+        raise SourceError(f"{exc}; {fix}") from None
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{display_path(path)}: not UTF-8 text ({exc}); {fix}") from None

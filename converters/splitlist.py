@@ -42,7 +42,7 @@ from dlpipe.converters.listed import (
     ListedSource,
     Listing,
     data_lines,
-    read_text,
+    read_list_file,
     shown_line,
 )
 from dlpipe.converters.raw_tree import RawEntry, relative_path
@@ -148,7 +148,9 @@ class SplitListSource(ListedSource):
         )
 
     def _parse(self, path: str) -> list[_Line]:
-        lines = [_Line(n, text.split()) for n, text in data_lines(read_text(self.raw_folder, path))]
+        lines = [
+            _Line(n, text.split()) for n, text in data_lines(read_list_file(self.raw_folder, path))
+        ]
         columns = Counter(len(line.tokens) for line in lines).most_common(1)
         if columns and columns[0][0] not in (1, 2):
             raise SourceError(

@@ -21,7 +21,7 @@ from dlpipe.converters.listed import (
     failed,
     find_base,
     join,
-    read_text,
+    read_list_file,
     shown_line,
 )
 from dlpipe.converters.raw_tree import RawEntry
@@ -78,7 +78,7 @@ class Food101Source(ListedSource):
         entries = []
         for split in ("train", "test"):
             list_file = self.path(join(meta, f"{split}.txt"))
-            for number, line in data_lines(read_text(self.raw_folder, list_file)):
+            for number, line in data_lines(read_list_file(self.raw_folder, list_file)):
                 entry = Listed(split, join(base, "images", f"{line}.jpg"), line, None,
                                display_path(list_file), number)  # fmt: skip
                 entries.append(_food_label(entry, line, index))
@@ -91,7 +91,9 @@ class Food101Source(ListedSource):
         )
 
     def _names(self, rel: str, what: str, unique: bool = True) -> list[str]:
-        names = [line for _, line in data_lines(read_text(self.raw_folder, self.path(rel), what))]
+        names = [
+            line for _, line in data_lines(read_list_file(self.raw_folder, self.path(rel), what))
+        ]
         if unique and len(set(names)) != len(names):
             repeated = next(n for n in names if names.count(n) > 1)
             raise SourceError(
@@ -123,7 +125,7 @@ def _id_table(source: ListedSource, rel: str, known: set[int] | None, what: str)
     (when `known` is given) names no image of images.txt is a SourceError naming the line."""
     path = source.path(rel)
     rows: _Rows = {}
-    for number, line in data_lines(read_text(source.raw_folder, path, what)):
+    for number, line in data_lines(read_list_file(source.raw_folder, path, what)):
         first, *fields = line.split()
         problem = None
         if not first.isascii() or not first.isdigit():

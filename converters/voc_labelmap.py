@@ -25,7 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from dlpipe.converters.source import SampleError, SourceError, display_path, read_file
+from dlpipe.converters.source import (
+    SampleError,
+    SourceError,
+    display_path,
+    read_text,
+)
 
 __all__ = ["VOC_CLASSES", "VOC_LABELMAP", "VOID_COLOUR", "Labelmap", "read_labelmap"]
 
@@ -155,10 +160,7 @@ def read_labelmap(path: str, raw_folder: str) -> Labelmap:
         SourceError: the file cannot be read, or a line is malformed (named with its number).
     """
     shown = display_path(path)
-    try:
-        text = read_file(path, raw_folder, max_bytes=_MAX_LABELMAP_BYTES).decode("utf-8-sig")
-    except (SampleError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{shown}: {exc}; export the dataset again") from exc
+    text = read_text(path, raw_folder, max_bytes=_MAX_LABELMAP_BYTES, fix="export it again")
     names: dict[str, int] = {}
     colours: dict[Colour, int] = {}
     labels: list[tuple[str, Colour | None]] = []

@@ -21,10 +21,9 @@ from collections.abc import Collection, Iterable
 from dlpipe.converters.source import (
     SPLIT_NAMES,
     Item,
-    SampleError,
     SourceError,
     display_path,
-    read_file,
+    read_text,
 )
 from dlpipe.sample import unescape_key
 
@@ -95,10 +94,7 @@ def read_ids(root: str, path: str) -> list[tuple[int, str]]:
     Raises:
         SourceError: the file cannot be read, or a line is not one id.
     """
-    try:
-        text = read_file(path, root, max_bytes=_MAX_LIST_BYTES).decode("utf-8-sig")
-    except (SampleError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{display_path(path)}: {exc}; restore it from the download") from exc
+    text = read_text(path, root, max_bytes=_MAX_LIST_BYTES, fix="restore it from the download")
     ids = []
     for number, line in enumerate(text.splitlines(), 1):
         word = line.strip()

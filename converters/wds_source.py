@@ -57,7 +57,7 @@ from dlpipe.converters.source import (
     display_path,
     log,
     open_regular,
-    read_file,
+    read_text,
 )
 from dlpipe.converters.wds_tars import CLASSES_FILE, ItemBuilder, Ref, Tar, TarWalker, Walk
 from dlpipe.manifest import MANIFEST_NAME
@@ -76,15 +76,12 @@ def _is_tar(name: str) -> bool:
     return name.lower().endswith(".tar")
 
 
+_CLASSES_FIX = "classes.txt holds one UTF-8 class name a line: fix or remove it"
+
+
 def _read_classes(path: str, folder: str) -> tuple[str, ...]:
     """``classes.txt``: one class name a line (blank lines ignored), each named once."""
-    try:
-        text = read_file(path, folder, max_bytes=MAX_META_BYTES).decode("utf-8")
-    except (SampleError, UnicodeDecodeError) as exc:
-        raise SourceError(
-            f"{display_path(path)}: cannot be read as a UTF-8 list of class names ({exc}); "
-            "fix or remove it"
-        ) from exc
+    text = read_text(path, folder, max_bytes=MAX_META_BYTES, fix=_CLASSES_FIX)
     names = tuple(line.strip() for line in text.splitlines() if line.strip())
     repeated = [name for name, n in Counter(names).items() if n > 1]
     if repeated:

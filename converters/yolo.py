@@ -64,6 +64,7 @@ from dlpipe.converters.source import (
     display_path,
     image_kind_of_name,
     read_file,
+    read_text,
 )
 from dlpipe.converters.yolo_config import (
     Labels,
@@ -344,10 +345,7 @@ class _SplitScanner:
         """The rows of an image list: a path a line, relative to the list's folder."""
         self.lists.append(path)
         shown = display_path(path)
-        try:
-            text = read_file(path, self.raw_folder, max_bytes=_MAX_LIST_BYTES).decode("utf-8-sig")
-        except (SampleError, UnicodeDecodeError) as exc:
-            raise SourceError(f"{shown}: {exc}; fix the image list") from exc
+        text = read_text(path, self.raw_folder, max_bytes=_MAX_LIST_BYTES, fix="fix the image list")
         rows: list[tuple[str, str, str | None]] = []
         missing = []
         for number, line in enumerate(text.splitlines(), 1):

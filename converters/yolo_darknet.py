@@ -33,7 +33,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from dlpipe.converters.listed import read_text
+from dlpipe.converters.listed import read_list_file
 from dlpipe.converters.raw_tree import RawEntry
 from dlpipe.converters.source import SourceError, display_path
 from dlpipe.converters.yolo_config import (
@@ -81,7 +81,7 @@ def darknet_paths(value: str, top: str, folder: str) -> list[str]:
 def _options(path: str, raw_folder: str) -> dict[str, str]:
     """obj.data's ``key = value`` lines (the first of a key, as Darknet's option_find)."""
     values: dict[str, str] = {}
-    text = read_text(raw_folder, path, "the Darknet dataset's settings")
+    text = read_list_file(raw_folder, path, "the Darknet dataset's settings")
     for number, raw in enumerate(text.splitlines(), 1):
         line = _COMMENT.sub("", raw).strip()
         if not line or line.startswith(";"):
@@ -152,7 +152,7 @@ def _inside(value: str, top: str, folder: str) -> str | None:
 
 def _names(path: str, raw_folder: str, count: str | None, config: str) -> tuple[str, ...]:
     """The class names of the names file `path`, checked against obj.data's ``classes``."""
-    text = read_text(raw_folder, path, "the Darknet dataset's class names")
+    text = read_list_file(raw_folder, path, "the Darknet dataset's class names")
     names = tuple(n.strip() for n in text.splitlines() if n.strip())
     shown = display_path(path)
     if not names:

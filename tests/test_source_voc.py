@@ -414,7 +414,7 @@ def _break_tree(raw: Path, voc: Path, case: str) -> str:
         return "no split list (train.txt, val.txt, trainval.txt)"
     if case == "not-utf8":
         (main_lists / "val.txt").write_bytes(b"\xff\xfe2\x00")
-        return "val.txt: 'utf-8' codec can't decode"
+        return "val.txt: not UTF-8 text ('utf-8' codec can't decode"
     (main_lists / "val.txt").write_text("\n")
     return "val.txt lists no id"
 
