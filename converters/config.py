@@ -446,12 +446,19 @@ def option_specs() -> list[OptionSpec]:
 
 
 def default_out(raw: str, fmt: str) -> str:
-    """``$DLPIPE_DATA_DIR/<name>-<fmt>`` when set, else ``<raw>-<fmt>`` beside the raw data."""
+    """``$DLPIPE_DATA_DIR/<name>-<fmt>`` when set, else ``<raw>-<fmt>`` beside the raw data
+    (an archive's name without ``.zip``/``.tar``/``.tar.gz``; a folder inside an archive,
+    ``a.zip/train``, beside the archive)."""
     raw = os.path.abspath(raw)
-    name = (
-        os.path.splitext(os.path.basename(raw.rstrip(os.sep)))[0]
-        if os.path.isfile(raw)
-        else (os.path.basename(raw.rstrip(os.sep)))
-    )
-    parent = os.environ.get("DLPIPE_DATA_DIR") or os.path.dirname(raw.rstrip(os.sep))
+    name = os.path.basename(raw.rstrip(os.sep))
+    if os.path.isfile(raw):
+        lower = name.lower()
+        suffix = next((s for s in (".tar.gz", ".tar") if lower.endswith(s)), None)
+        name = name[: -len(suffix)] if suffix else os.path.splitext(name)[0]
+    beside = os.path.dirname(raw.rstrip(os.sep))
+    while beside != os.path.dirname(beside) and not os.path.lexists(beside):
+        beside = os.path.dirname(beside)  # a folder inside an archive: beside the archive
+    if os.path.isfile(beside):
+        beside = os.path.dirname(beside)
+    parent = os.environ.get("DLPIPE_DATA_DIR") or beside
     return os.path.join(parent, f"{name}-{fmt}")

@@ -19,6 +19,7 @@ from typing import Any
 
 from dlpipe import storage
 from dlpipe.codecs import field_type
+from dlpipe.converters.archive_view import unpacked_view
 from dlpipe.converters.audit import (
     DuplicateGroup,
     Fingerprint,
@@ -36,7 +37,7 @@ from dlpipe.converters.executors import WorkerDiedError, run_local, run_ray
 from dlpipe.converters.images import ImagePolicy
 from dlpipe.converters.journal import Journal, ResumeError
 from dlpipe.converters.plan import Plan, make_plan
-from dlpipe.converters.source import Scan, SourceError, SourceOptions
+from dlpipe.converters.source import Scan, SourceError, SourceOptions, display_path
 from dlpipe.converters.sources import open_source, why_detected
 from dlpipe.converters.worker import (
     OutputFullError,
@@ -132,7 +133,14 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         label_from=wanted.label_from,
         instance_masks=wanted.instance_masks,
     )
-    source = open_source(config.raw, wanted.kind, options)
+    view = unpacked_view(config.raw)
+    if view is not None and config.engine.kind == "ray":
+        raise SourceError(
+            f"{display_path(config.raw)}: archives are read in place by the local engine only "
+            "(Ray's workers on other nodes cannot see this machine's view of them); unpack "
+            "them on the cluster's shared disk and convert that folder, or drop --engine ray"
+        )
+    source = open_source(view.root if view is not None else config.raw, wanted.kind, options)
     scan = source.scan()
     if not scan.items:
         raise SourceError(f"{config.raw}: the {source.kind} source holds no samples")
@@ -182,13 +190,20 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     account["kind"] = source.kind
     if "layout" not in account:
         named = wanted.kind != "auto"
-        account["layout"] = "named by --source" if named else why_detected(config.raw, source.kind)
+        account["layout"] = "named by --source" if named else why_detected(source.root, source.kind)
+    if view is not None:
+        account["archives"] = view.report()
     return PlannedConversion(
         source=source,
         plan=replace(plan, source=account),
         worker=worker,
         options=recorded,
-        description={**scan.description, "layout": account["layout"], "samples": len(scan.items)},
+        description={
+            **scan.description,
+            **({"archives": account["archives"]} if view is not None else {}),
+            "layout": account["layout"],
+            "samples": len(scan.items),
+        },
         scan=scan,
         dedup_groups=groups,
     )

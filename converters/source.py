@@ -234,11 +234,19 @@ class Source(ABC):
 
 
 def display_path(path: str) -> str:
-    """`path` as printable, JSON-safe text: bytes that are not UTF-8 shown as ``\\xNN``."""
+    """`path` as printable, JSON-safe text: bytes that are not UTF-8 shown as ``\\xNN``; a
+    path in an unpacked view of archives as its archive member or raw file."""
+    path = _view_path_shown(path)
     try:
         return os.fsencode(path).decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:
         return path.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _view_path_shown(path: str) -> str:
+    from dlpipe.converters.archive_view import shown_path  # the view reads through this module
+
+    return shown_path(path)
 
 
 def is_ignored_name(name: str) -> bool:
@@ -295,6 +303,11 @@ def open_regular(path: str, folder: str | None = None) -> IO[bytes]:
     Raises:
         SampleError: the file is missing, unreadable, outside `folder` or not a regular file.
     """
+    from dlpipe.converters.archive_view import target_of
+
+    placeholder = target_of(path)
+    if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)
+        return placeholder.open()
     target = path
     if folder is not None:
         target = os.path.realpath(path)
@@ -327,19 +340,29 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
         SampleError: the file cannot be read, is not a regular file, lies outside `folder`,
             or is over `max_bytes`.
     """
+    from dlpipe.converters.archive_view import target_of
+
+    placeholder = target_of(path)
+    if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)
+        _check_size(path, placeholder.size, max_bytes)
+        return placeholder.read()
     with open_regular(path, folder) as f:
         size = os.fstat(f.fileno()).st_size
-        if max_bytes is not None and size > max_bytes:
-            raise SampleError(
-                f"{display_path(path)}: {size} bytes, over the {max_bytes}-byte limit for "
-                "this kind of file"
-            )
+        _check_size(path, size, max_bytes)
         try:
             return f.read(size)
         except OSError as exc:
             raise SampleError(
                 f"{display_path(path)}: cannot be read ({exc.strerror or exc})"
             ) from exc
+
+
+def _check_size(path: str, size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise SampleError(
+            f"{display_path(path)}: {size} bytes, over the {max_bytes}-byte limit for "
+            "this kind of file"
+        )
 
 
 def image_kind_of_bytes(data: bytes) -> str:

@@ -30,10 +30,19 @@ from dlpipe.errors import InvalidFieldError
 from dlpipe.formats.wds import RefusedHeaderError, tar_members  # dlpipe's tar reader
 from dlpipe.sample import check_field_name, make_key
 
-__all__ = ["CLASSES_FILE", "ItemBuilder", "Ref", "Tar", "TarWalker", "Walk", "most_common"]
+__all__ = [
+    "CLASSES_FILE",
+    "KEY_EXT",
+    "ItemBuilder",
+    "Ref",
+    "Tar",
+    "TarWalker",
+    "Walk",
+    "most_common",
+]
 
 _IMAGE_EXTS = frozenset(suffix[1:] for suffix in IMAGE_SUFFIXES)
-_KEY_EXT = re.compile(r"((?:.*/|)[^.]+)[.]([^/]*)")  # webdataset's base_plus_ext
+KEY_EXT = re.compile(r"((?:.*/|)[^.]+)[.]([^/]*)")  # webdataset's base_plus_ext
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
 CLASSES_FILE = "classes.txt"
 _MAX_CLS_BYTES, _MAX_JSON_BYTES = 64, 1 << 20
@@ -188,7 +197,7 @@ class TarWalker:
             name = name[2:]
         if member.isdir():
             return
-        match = _KEY_EXT.fullmatch(name)
+        match = KEY_EXT.fullmatch(name)
         if match is None or _META.match(name) or (name.startswith("__") and name.endswith("__")):
             self.walk.unread["not named key.extension"] += 1
             return

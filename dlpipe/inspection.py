@@ -127,6 +127,14 @@ def source_lines(account: Any) -> list[str]:
     if "kind" in account:
         why = f": {account['layout']}" if account.get("layout") else ""
         lines.append(f"source: {_text(account['kind'])}{_text(why)}")
+    archives = account.get("archives")
+    if isinstance(archives, dict) and isinstance(archives.get("read"), list) and archives["read"]:
+        read = [_text(str(a)) for a in archives["read"]]
+        names = ", ".join(read[:3]) + (f" and {len(read) - 3} more" if len(read) > 3 else "")
+        skipped = _count_of(archives.get("skipped_members"))
+        left = f"; {skipped} members skipped" if skipped else ""
+        members = _count_of(archives.get("members"))
+        lines.append(f"archives: read in place: {names} ({members} files{left})")
     unused = account.get("unused")
     if isinstance(unused, dict) and any(_count_of(n) for n in unused.values()):
         counts = ", ".join(f"{_count_of(n)} {_text(k)}" for k, n in unused.items() if _count_of(n))

@@ -47,6 +47,7 @@ __all__ = [
     "size",
     "staging_dir",
     "sync_dir",
+    "user_cache",
 ]
 
 LOCK_NAME = ".dlpipe-lock"
@@ -390,3 +391,9 @@ def _is_regular(fd: int) -> bool:
 def _holder(fd: int) -> str:
     text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
     return f"pid {text}" if text.isdigit() else "pid unknown"
+
+
+def user_cache(*parts: str) -> str:
+    """A path in dlpipe's user cache: ``$XDG_CACHE_HOME/dlpipe/...``, else ``~/.cache/dlpipe``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "dlpipe", *parts)

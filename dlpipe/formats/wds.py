@@ -43,7 +43,7 @@ from dlpipe.formats.base import (
 )
 from dlpipe.sample import Sample, check_field_name, check_key
 
-__all__ = ["WDS", "RefusedHeaderError", "tar_members"]
+__all__ = ["WDS", "RefusedHeaderError", "StrictTarInfo", "tar_members"]
 
 _MAX_EXTENDED_HEADER_BYTES = 64 << 10
 _EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME)
@@ -187,7 +187,7 @@ class RefusedHeaderError(Exception):
     what the header claims."""
 
 
-class _StrictTarInfo(tarfile.TarInfo):
+class StrictTarInfo(tarfile.TarInfo):
     """tarfile's member parser, refusing the header kinds dlpipe never writes before it reads
     their data: tarfile would read a pax header of any claimed size into memory, recurse once
     per chained extended header, and expand sparse members to their claimed size."""
@@ -258,7 +258,7 @@ class WdsReader(ShardReader):
                 if f.seekable():
                     yield _Shard(tar_members(f), functools.partial(_read_at, f))
                 else:
-                    with tarfile.open(fileobj=f, mode="r|", tarinfo=_StrictTarInfo) as tar:
+                    with tarfile.open(fileobj=f, mode="r|", tarinfo=StrictTarInfo) as tar:
                         yield _Shard(_members(tar), functools.partial(_extracted, tar))
         except ShardCorruptError:
             raise
@@ -307,7 +307,7 @@ def tar_members(f: IO[bytes]) -> Iterator[tarfile.TarInfo]:
     """The members of a seekable tar: headers exactly as dlpipe's writer makes them are
     parsed here (`_template_member`, a third of tarfile's cost); from the first other header
     on (pax, GNU, another writer's fields, a bad checksum, the archive's end) tarfile's own
-    parser reads the rest, with dlpipe's refusals (`_StrictTarInfo`)."""
+    parser reads the rest, with dlpipe's refusals (`StrictTarInfo`)."""
     offset, header = 0, b""
     while (member := _template_member(header := _block_at(f, offset), offset)) is not None:
         yield member
@@ -319,7 +319,7 @@ def tar_members(f: IO[bytes]) -> Iterator[tarfile.TarInfo]:
         if not f.read(1):
             raise tarfile.ReadError("unexpected end of data")
     f.seek(offset)
-    with tarfile.open(fileobj=f, mode="r:", tarinfo=_StrictTarInfo) as tar:
+    with tarfile.open(fileobj=f, mode="r:", tarinfo=StrictTarInfo) as tar:
         yield from _members(tar)
 
 

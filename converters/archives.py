@@ -1,0 +1,416 @@
+"""Archives as downloaded (``.zip``, ``.tar``, ``.tar.gz``/``.tgz``): their members listed
+once, and any member read in place, without unpacking the archive.
+
+- A **zip** is read through its central directory (random access by nature). Its declared
+  sizes bound every read (``zipfile`` stops at a member's declared size and checks its CRC);
+  an archive that declares more than deflate's 1032:1 ratio allows, whose members' data
+  overlap (the overlapping-entries bomb) or whose central directory is damaged is refused
+  whole; an encrypted member or an unknown compression method is one skipped entry.
+- A plain **tar** is walked header by header, seeking over member data; a member is one seek
+  and read at its offset.
+- A **gzip-compressed tar** has no random access of its own: the scan decompresses it once
+  with ``indexed_gzip``, which keeps a seek point (32 KiB of inflate window) every
+  `_GZ_SPACING` bytes of the tar, so a member costs at most that much decompression. The
+  index is saved beside the listing, and each worker process imports it. A stream that
+  inflates to more than `_MAX_GZ_RATIO` times its size (a gzip bomb) is refused.
+
+Tar headers are parsed with the WebDataset reader's refusals (`dlpipe.formats.wds`): a pax
+header of any claimed size is never read into memory. Member names are untrusted: an
+absolute name, a ``..`` step, a link, a device or a FIFO is one skipped entry (the archive
+is read as if unpacked, so nothing can land outside its folder), as is a member replaced by a
+later one of the same name. Other compressions (``.tar.bz2``, ``.tar.xz``, ``.tar.zst``,
+``.7z``, ``.rar``) are refused with the command that makes them readable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from dlpipe.converters.source import SampleError, SourceError, display_path
+from dlpipe.converters.wds_tars import KEY_EXT
+from dlpipe.formats.wds import RefusedHeaderError, StrictTarInfo
+
+__all__ = [
+    "Archive",
+    "Member",
+    "archive_kind",
+    "index_archive",
+    "looks_like_shard",
+    "member_file",
+    "read_member",
+    "refuse_unreadable_archive",
+    "top_names",
+]
+
+_GZ_SPACING = 1 << 20  # a member read decompresses at most this much more than its size
+_MAX_GZ_RATIO = 1032  # deflate's best ratio: more out of a gzip stream is a bomb
+_MAX_ZIP_RATIO = 1032
+_CHUNK = 1 << 20
+_PEEK = 64  # tar members looked at to tell a WebDataset shard from a packed folder
+_UNREADABLE = {
+    ".tar.bz2": "bunzip2 -k",
+    ".tbz2": "bunzip2 -k",
+    ".tbz": "bunzip2 -k",
+    ".tar.xz": "unxz -k",
+    ".txz": "unxz -k",
+    ".tar.zst": "zstd -d",
+    ".tzst": "zstd -d",
+    ".tar.lz4": "lz4 -d",
+}
+_UNPACK_ONLY = {".7z": "7z x", ".rar": "unrar x"}
+_LINK_TYPES = {
+    tarfile.SYMTYPE: "a symbolic link in the archive (links are not followed)",
+    tarfile.LNKTYPE: "a hard link in the archive (links are not followed)",
+    tarfile.CHRTYPE: "a device in the archive",
+    tarfile.BLKTYPE: "a device in the archive",
+    tarfile.FIFOTYPE: "a FIFO in the archive",
+}
+
+
+def archive_kind(name: str) -> str | None:
+    """``zip``, ``tar`` or ``tgz`` from a file name's suffix; None when it is no archive that
+    dlpipe reads in place."""
+    lower = name.lower()
+    if lower.endswith(".zip"):
+        return "zip"
+    if lower.endswith(".tar"):
+        return "tar"
+    if lower.endswith((".tar.gz", ".tgz")):
+        return "tgz"
+    return None
+
+
+def refuse_unreadable_archive(path: str) -> None:
+    """A `SourceError` for an archive dlpipe cannot read in place, with the command that
+    makes it readable; nothing for any other file."""
+    lower = path.lower()
+    for suffix, command in _UNREADABLE.items():
+        if lower.endswith(suffix):
+            raise SourceError(
+                f"{display_path(path)}: a {suffix} archive has no random access that dlpipe "
+                f"can use; decompress it to a plain .tar (`{command} {display_path(path)}`), "
+                "which convert reads in place, and convert again"
+            )
+    for suffix, command in _UNPACK_ONLY.items():
+        if lower.endswith(suffix):
+            raise SourceError(
+                f"{display_path(path)}: dlpipe reads .zip, .tar and .tar.gz archives in place, "
+                f"not {suffix}; unpack it (`{command} {display_path(path)}`) and convert the "
+                "folder"
+            )
+
+
+@dataclass(frozen=True)
+class Member:
+    """A regular file inside an archive: its safe relative name, size and where it lies
+    (the zip member's position in the central directory; the tar member's data offset)."""
+
+    name: str
+    size: int
+    where: int
+
+
+@dataclass
+class Archive:
+    """An archive's listing: its kind, the (size, mtime) it was listed at, its regular-file
+    members, its folders, and the members skipped (name → why)."""
+
+    path: str
+    kind: str
+    stamp: tuple[int, int]
+    members: list[Member] = field(default_factory=list)
+    folders: set[str] = field(default_factory=set)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def add(self, raw_name: str, size: int, where: int, is_dir: bool = False) -> None:
+        name, problem = _safe_name(raw_name)
+        if problem is not None:
+            self.skipped.setdefault(raw_name, problem)
+        elif is_dir:
+            self.folders.add(name)
+        elif name:
+            self.members.append(Member(name, size, where))
+
+
+def _safe_name(raw: str) -> tuple[str, str | None]:
+    """The member's name as a relative ``/`` path, or why it is unsafe (it would land outside
+    the folder it is unpacked in)."""
+    name = raw.replace("\\", "/")  # zips made on Windows
+    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        return "", "an absolute path in the archive"
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        return "", "a '..' path in the archive (it would land outside its folder)"
+    if "\x00" in name:
+        return "", "a NUL byte in its name"
+    return "/".join(parts), None
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns
+
+
+def index_archive(path: str, gz_index: str | None = None) -> Archive:
+    """List `path`'s members (module docstring); for a ``tgz``, save its seek points to
+    `gz_index`.
+
+    Raises:
+        SourceError: the archive cannot be read, is damaged or is a bomb.
+    """
+    kind = archive_kind(path)
+    assert kind is not None, path
+    try:
+        archive = Archive(path, kind, _stamp(path))
+        if kind == "zip":
+            _index_zip(archive)
+        else:
+            _index_tar(archive, gz_index)
+    except SourceError:
+        raise
+    except (zipfile.BadZipFile, tarfile.TarError, RefusedHeaderError, EOFError, ValueError) as exc:
+        raise SourceError(
+            f"{display_path(path)}: not a readable {kind} archive ({exc}); download it again"
+        ) from None
+    except OSError as exc:
+        raise SourceError(
+            f"{display_path(path)}: cannot be read ({exc.strerror or exc}); download it again"
+        ) from None
+    return archive
+
+
+def _index_zip(archive: Archive) -> None:
+    with zipfile.ZipFile(archive.path) as zf:
+        infos = zf.infolist()
+    declared = sum(i.file_size for i in infos)
+    if declared > _MAX_ZIP_RATIO * max(archive.stamp[0], 1) + (1 << 20):
+        raise SourceError(
+            f"{display_path(archive.path)}: its members claim {declared} bytes from a "
+            f"{archive.stamp[0]}-byte file, more than compression can give (a zip bomb); "
+            "refused"
+        )
+    spans = sorted((i.header_offset, i.header_offset + i.compress_size) for i in infos)
+    if any(end > nxt for (_, end), (nxt, _) in itertools.pairwise(spans)):
+        raise SourceError(
+            f"{display_path(archive.path)}: its members' data overlap (a zip bomb or a "
+            "damaged archive); refused"
+        )
+    for position, info in enumerate(infos):
+        if info.flag_bits & 0x1:
+            archive.skipped.setdefault(info.filename, "encrypted")
+        elif not _supported(info):
+            archive.skipped.setdefault(info.filename, "an unknown compression method")
+        else:
+            archive.add(info.filename, info.file_size, position, info.is_dir())
+
+
+def _supported(info: zipfile.ZipInfo) -> bool:
+    return info.compress_type in (
+        zipfile.ZIP_STORED,
+        zipfile.ZIP_DEFLATED,
+        zipfile.ZIP_BZIP2,
+        zipfile.ZIP_LZMA,
+    )
+
+
+def _index_tar(archive: Archive, gz_index: str | None) -> None:
+    with _tar_of(archive.path, archive.kind) as (f, tar):
+        for member in _walk(tar, archive):
+            if member.isreg():
+                archive.add(member.name, member.size, member.offset_data)
+            elif member.isdir():
+                archive.add(member.name, 0, 0, is_dir=True)
+            else:
+                reason = _LINK_TYPES.get(member.type, f"a tar member of type {member.type!r}")
+                archive.skipped.setdefault(member.name, reason)
+        if gz_index is not None:
+            f.raw.export_index(gz_index)
+
+
+def _walk(tar: tarfile.TarFile, archive: Archive) -> Iterator[tarfile.TarInfo]:
+    """The members, without keeping them all in memory, checking a gzip stream's ratio."""
+    limit = _MAX_GZ_RATIO * max(archive.stamp[0], 1) + (1 << 20)
+    while (member := tar.next()) is not None:
+        if archive.kind == "tgz" and member.offset_data + member.size > limit:
+            raise SourceError(
+                f"{display_path(archive.path)}: inflates to more than {limit} bytes, more "
+                "than gzip can give from its size (a gzip bomb); refused"
+            )
+        tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps every header
+        yield member
+
+
+@contextlib.contextmanager
+def _tar_of(path: str, kind: str) -> Iterator[tuple[Any, tarfile.TarFile]]:
+    """The tar (plain, or through a gzip stream that builds its seek points as it is read)
+    and its header reader, with the WebDataset reader's refusals."""
+    if kind == "tar":
+        stream: Any = open(path, "rb")  # noqa: SIM115 (closed below)
+    else:
+        import indexed_gzip
+
+        stream = indexed_gzip.IndexedGzipFile(
+            path, spacing=_GZ_SPACING, buffer_size=1 << 16, drop_handles=False
+        )
+    with stream, tarfile.open(fileobj=stream, mode="r:", tarinfo=StrictTarInfo) as tar:
+        yield stream, tar
+
+
+def top_names(path: str) -> set[str]:
+    """The names at the top of the archive (the folders and files unpacking it would make
+    beside it), read cheaply: a zip's whole central directory, a tar's first member only."""
+    kind = archive_kind(path)
+    try:
+        if kind == "zip":
+            with zipfile.ZipFile(path) as zf:
+                names = zf.namelist()
+        else:
+            with _tar_of(path, kind or "tar") as (_, tar):
+                first = tar.next()
+                names = [first.name] if first is not None else []
+    except (zipfile.BadZipFile, tarfile.TarError, RefusedHeaderError, EOFError, OSError):
+        return set()  # indexing it names the problem
+    return {top for n in names if (top := _safe_name(n)[0].split("/")[0])}
+
+
+def looks_like_shard(path: str) -> bool:
+    """True when the tar `path` reads as a WebDataset shard, not a packed folder: its first
+    `_PEEK` files all lie at its top (no folder: ``k0.jpg``, ``k0.txt``), or at least half
+    of them lie in runs of one key (``a/x.jpg`` then ``a/x.cls``), as the writers of shards
+    make them (a packed folder's runs are rare: Pets' few ``.mat`` beside its photos)."""
+    kind = archive_kind(path)
+    if kind not in ("tar", "tgz"):
+        return False
+    keys: list[str | None] = []
+    flat = True
+    try:
+        with _tar_of(path, kind) as (_, tar):
+            while len(keys) < _PEEK and (member := tar.next()) is not None:
+                flat = flat and "/" not in _safe_name(member.name)[0] and not member.isdir()
+                if member.isreg():
+                    match = KEY_EXT.fullmatch(member.name)
+                    keys.append(match.group(1) if match else None)
+    except (tarfile.TarError, RefusedHeaderError, EOFError, OSError):
+        return False  # listing it names the problem
+    if flat and keys:
+        return True
+    grouped = sum(
+        1
+        for i, key in enumerate(keys)
+        if key is not None
+        and ((i > 0 and keys[i - 1] == key) or (i + 1 < len(keys) and keys[i + 1] == key))
+    )
+    return grouped > 0 and 2 * grouped >= len(keys)
+
+
+class _Open:
+    """The archives this process has open, each checked against its listing's stamp."""
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[str, tuple[int, int]], Any] = {}
+
+    def get(self, path: str, kind: str, stamp: tuple[int, int], gz_index: str | None) -> Any:
+        key = (path, stamp)
+        found = self._files.get(key)
+        if found is None:
+            if len(self._files) >= 8:
+                self.close()
+            found = self._open(path, kind, stamp, gz_index)
+            self._files[key] = found
+        return found
+
+    @staticmethod
+    def _open(path: str, kind: str, stamp: tuple[int, int], gz_index: str | None) -> Any:
+        f = open(path, "rb")  # noqa: SIM115 (kept open for the process's later reads)
+        info = os.fstat(f.fileno())
+        if (info.st_size, info.st_mtime_ns) != stamp:
+            f.close()
+            raise SampleError(
+                f"{display_path(path)}: changed since the scan (its size or time differs); "
+                "convert again"
+            )
+        if kind == "zip":
+            return zipfile.ZipFile(f)
+        if kind == "tar":
+            return f
+        f.close()
+        import indexed_gzip
+
+        return indexed_gzip.indexed_gzip._IndexedGzipFile(  # unbuffered: exact reads
+            path, spacing=_GZ_SPACING, index_file=gz_index, drop_handles=False
+        )
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+_OPEN = _Open()
+
+
+def read_member(
+    path: str, kind: str, stamp: tuple[int, int], member: Member, gz_index: str | None
+) -> bytes:
+    """A member's bytes, read in place (a SampleError naming `path` and the member when the
+    archive changed or its data is damaged)."""
+    data = bytearray()
+    _copy_member(path, kind, stamp, member, gz_index, data.extend)
+    return bytes(data)
+
+
+def member_file(
+    path: str, kind: str, stamp: tuple[int, int], member: Member, gz_index: str | None
+) -> IO[bytes]:
+    """A member as a real file (an unlinked temporary one, so ``fileno``, ``fstat`` and
+    ``mmap`` work as on the file unpacked), copied in bounded memory."""
+    f = tempfile.TemporaryFile()  # noqa: SIM115 (the caller closes it)
+    try:
+        _copy_member(path, kind, stamp, member, gz_index, f.write)
+    except BaseException:
+        f.close()
+        raise
+    f.seek(0)
+    return f
+
+
+def _copy_member(
+    path: str,
+    kind: str,
+    stamp: tuple[int, int],
+    member: Member,
+    gz_index: str | None,
+    write: Callable[[bytes], Any],
+) -> None:
+    shown = f"{display_path(path)}: member {display_path(member.name)}"
+    copied = 0
+    try:
+        f = _OPEN.get(path, kind, stamp, gz_index)
+        if kind == "zip":
+            with f.open(f.infolist()[member.where]) as stream:
+                while chunk := stream.read(min(_CHUNK, member.size + 1 - copied)):
+                    write(chunk)
+                    copied += len(chunk)
+        else:
+            while copied < member.size:
+                f.seek(member.where + copied)
+                chunk = f.read(min(_CHUNK, member.size - copied))
+                if not chunk:
+                    break
+                write(chunk)
+                copied += len(chunk)
+    except SampleError:
+        raise
+    except Exception as exc:  # zipfile's, tarfile's, indexed_gzip's ZranError and CrcError
+        _OPEN.close()
+        raise SampleError(f"{shown} cannot be read ({type(exc).__name__}: {exc})") from None
+    if copied != member.size:
+        raise SampleError(f"{shown} holds {copied} bytes, not the {member.size} listed")
