@@ -211,6 +211,7 @@ class _Builder:
         indexed = [_indexed(path) for path in self.archives]
         for number, (archive, _) in enumerate(indexed):
             self._members(number, archive)
+        self._refuse_nested()
         listing = {
             "base": self.base,
             "real": self.real,
@@ -264,6 +265,25 @@ class _Builder:
             while parent and parent not in self.folders:
                 self.folders.add(parent)
                 parent = os.path.dirname(parent)
+
+    def _refuse_nested(self) -> None:
+        """Archives packed at an archive's top (Kaggle's ``dogs-vs-cats.zip`` holds
+        ``train.zip``): reading them in place would need a copy, so say how to unpack."""
+        nested = sorted(
+            name
+            for name, (number, _, _) in self.files.items()
+            if number >= 0 and "/" not in name and archive_kind(name)
+        )
+        if nested:
+            outer = self.archives[self.files[nested[0]][0]]
+            shown = ", ".join(display_path(n) for n in nested[:3])
+            folder = display_path(os.path.splitext(outer)[0])
+            raise SourceError(
+                f"{display_path(outer)} holds archives ({shown}); dlpipe reads archives in "
+                f"place but not one inside another: unpack the outer one (`unzip -d {folder} "
+                f"{display_path(outer)}` or `tar xf`) and convert {folder}, whose archives are "
+                "then read in place"
+            )
 
     def _conflict(self, name: str, number: int) -> str | None:
         earlier = self.files.get(name)

@@ -420,3 +420,30 @@ def test_a_folder_the_archive_lacks_is_one_error_line(
     assert convert(packed / "nothing", tmp_path / "out") == 2
     line = one_error_line(capsys.readouterr().err)
     assert "holds no nothing" in line
+
+
+def test_kaggle_zip_of_zips_names_the_unzip_that_makes_it_readable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """dogs-vs-cats.zip holds train.zip, test1.zip and sampleSubmission.csv; once unpacked,
+    that folder's zips are read in place (the labels in the file names)."""
+    inner = tmp_path / "inner"
+    for i in range(6):
+        write(inner / "train" / f"{'cat' if i % 2 else 'dog'}.{i}.jpg", jpeg(i))
+        write(inner / "test1" / f"{i + 1}.jpg", jpeg(10 + i))
+    write(inner / "sampleSubmission.csv", "id,label\n1,0\n")
+    pack(inner, ["train"], inner / "train.zip")
+    pack(inner, ["test1"], inner / "test1.zip")
+    outer = pack(
+        inner, ["train.zip", "test1.zip", "sampleSubmission.csv"], tmp_path / "dogs-vs-cats.zip"
+    )
+    assert convert(outer, tmp_path / "out") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "holds archives (test1.zip, train.zip)" in line and "unzip -d" in line
+    folder = tmp_path / "dogs-vs-cats"
+    with zipfile.ZipFile(outer) as zf:
+        zf.extractall(folder)
+    assert convert(folder, tmp_path / "out") == 0
+    manifest = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
+    assert manifest["classes"] == ["cat", "dog"]
+    assert manifest["source"]["kind"] == "filenames"
