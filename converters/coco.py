@@ -61,6 +61,7 @@ from dlpipe.converters.coco_json import ImageId, Instances, Object, read_instanc
 from dlpipe.converters.coco_masks import MaskRef, masks_field
 from dlpipe.converters.raw_tree import Listings, RawTree, relative_path
 from dlpipe.converters.source import (
+    SPLIT_WORDS,
     Item,
     SampleError,
     Scan,
@@ -80,8 +81,7 @@ __all__ = ["CocoSource", "split_of"]
 _ANNOTATIONS, _IMAGES, _ROBOFLOW = "annotations", "images", "_annotations.coco.json"
 _INSTANCES = re.compile(r"instances(?:_(.+))?\.json")
 _YEAR = re.compile(r"(.+?)(?:19|20)[0-9]{2}")
-_SPLITS = {"train": "train", "val": "val", "valid": "val", "validation": "val",
-           "test": "test", "test-dev": "test", "testdev": "test"}  # fmt: skip
+_SPLITS = {**SPLIT_WORDS, "test-dev": "test", "testdev": "test"}
 _EXAMPLES = 3
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree
 from dlpipe.converters.source import (
+    SPLIT_WORDS,
     Item,
     SampleError,
     Scan,
@@ -73,7 +74,6 @@ NAME_PREFIX = "name-prefix"
 _NAME_PREFIX = re.compile(r"(?P<label>.+?)[_.\-][0-9]+")
 _BARE_NUMBER = re.compile(r"[0-9]+")
 _SPLIT_FOLDER = re.compile(r"(train|training|val|valid|validation|test|testing)[0-9]*")
-_SPLIT_OF_WORD = {"training": "train", "valid": "val", "validation": "val", "testing": "test"}
 GENERIC_PREFIXES = frozenset(
     {
         *("img", "image", "images", "im", "pic", "picture", "photo", "dsc", "dscn", "dscf"),
@@ -134,7 +134,7 @@ def split_of_folder(name: str) -> str | None:
     if match is None:
         return None
     word = match.group(1)
-    return _SPLIT_OF_WORD.get(word, word)
+    return SPLIT_WORDS[word]
 
 
 def _split_folders(tree: RawTree, root: str) -> dict[str | None, str] | None:

@@ -56,6 +56,7 @@ __all__ = [
     "IGNORED_NAMES",
     "IMAGE_SUFFIXES",
     "SPLIT_NAMES",
+    "SPLIT_WORDS",
     "Item",
     "SampleError",
     "Scan",
@@ -78,6 +79,16 @@ log = logging.getLogger("dlpipe")
 
 SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
 """Folder, file or column names that mean a split → the split's name in the dataset."""
+
+SPLIT_WORDS = {
+    **SPLIT_NAMES,
+    "training": "train",
+    "valid": "val",
+    "testing": "test",
+}
+"""Every spelling of a split in a name that says it is one (a COCO instances file's split, a
+Kaggle split folder ``valid/``) → the split's name; `SPLIT_NAMES` where a name may also be a
+class (a folder)."""
 
 IMAGE_SUFFIXES = frozenset(
     {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm"}
