@@ -124,6 +124,8 @@ def unpacked_view(raw: str) -> View | None:
         SourceError: an archive cannot be read (damaged, a bomb, a compression without random
             access), or `raw` names a folder inside an archive that the archive lacks.
     """
+    if storage.is_url(raw):
+        return None  # archives are read from local disk only
     given = os.path.abspath(raw)
     base, rest = _existing_base(given)
     if os.path.isfile(base):

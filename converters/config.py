@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
+from dlpipe import storage
 from dlpipe.cli import int_in_range, non_negative_int, positive_int
 from dlpipe.converters.filenames import label_rule
 from dlpipe.converters.sources import SOURCE_KINDS
@@ -449,6 +450,9 @@ def default_out(raw: str, fmt: str) -> str:
     """``$DLPIPE_DATA_DIR/<name>-<fmt>`` when set, else ``<raw>-<fmt>`` beside the raw data
     (an archive's name without ``.zip``/``.tar``/``.tar.gz``; a folder inside an archive,
     ``a.zip/train``, beside the archive)."""
+    if storage.is_url(raw):  # shards in object storage: the output in this folder
+        name = raw.rstrip("/").rsplit("/", 1)[-1].removesuffix(".tar")
+        return os.path.join(os.environ.get("DLPIPE_DATA_DIR") or os.getcwd(), f"{name}-{fmt}")
     raw = os.path.abspath(raw)
     name = os.path.basename(raw.rstrip(os.sep))
     if os.path.isfile(raw):

@@ -371,7 +371,8 @@ def _run(
         estimated = estimated * 5 // 4  # (about 3 %; up to 25 % for progressive JPEGs)
     check_disk(out, estimated)
     if not done:
-        journal.start(plan, raw=os.path.abspath(config.raw), args=config.option_args())
+        raw = config.raw if storage.is_url(config.raw) else os.path.abspath(config.raw)
+        journal.start(plan, raw=raw, args=config.option_args())
     if on_start is not None:
         on_start(plan)
     engine = config.engine

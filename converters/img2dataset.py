@@ -9,7 +9,6 @@ than its metadata's successes, or metadata of successes without its tar, is refu
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from dlpipe.converters.source import (
     SampleError,
     SourceError,
     display_path,
+    file_stamp,
     open_regular,
     read_file,
 )
@@ -59,7 +59,7 @@ def _parquet_statuses(path: str, folder: str) -> Counter[str] | None:
     """img2dataset's ``NNNNN.parquet``: status → rows; None when it has no ``status`` column."""
     try:
         with open_regular(path, folder) as f:
-            if os.fstat(f.fileno()).st_size > MAX_META_BYTES:
+            if file_stamp(f)[0] > MAX_META_BYTES:
                 raise SourceError(f"{display_path(path)}: over {MAX_META_BYTES} bytes")
             if "status" not in pq.read_schema(f).names:
                 return None

@@ -42,6 +42,7 @@ import functools
 import logging
 import os
 import stat
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, ClassVar
@@ -65,6 +66,7 @@ __all__ = [
     "SourceOptions",
     "display_path",
     "file_problem",
+    "file_stamp",
     "image_kind_of_bytes",
     "image_kind_of_name",
     "is_ignored_name",
@@ -207,7 +209,7 @@ class Source(ABC):
         *,
         listings: Listings | None = None,
     ) -> None:
-        self.root = os.path.abspath(root)
+        self.root = root if storage.is_url(root) else os.path.abspath(root)
         self.options = options or SourceOptions()
         self._listings = listings
 
@@ -268,6 +270,8 @@ def is_ignored_name(name: str) -> bool:
 def raw_folder_of(root: str) -> str:
     """The real path of the folder a source reads nothing outside of: `root` itself, or the
     folder holding it when `root` is a file (a table file)."""
+    if storage.is_url(root):
+        return root
     real = os.path.realpath(root)
     return real if os.path.isdir(real) else os.path.dirname(real)
 
@@ -319,6 +323,8 @@ def open_regular(path: str, folder: str | None = None) -> IO[bytes]:
     placeholder = target_of(path)
     if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)
         return placeholder.open()
+    if storage.is_url(path):
+        return _open_url(path)
     target = path
     if folder is not None:
         target = os.path.realpath(path)
@@ -358,7 +364,7 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
         _check_size(path, placeholder.size, max_bytes)
         return placeholder.read()
     with open_regular(path, folder) as f:
-        size = os.fstat(f.fileno()).st_size
+        size = file_stamp(f)[0]
         _check_size(path, size, max_bytes)
         try:
             return f.read(size)
@@ -366,6 +372,31 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
             raise SampleError(
                 f"{display_path(path)}: cannot be read ({exc.strerror or exc})"
             ) from exc
+
+
+def _open_url(url: str) -> IO[bytes]:
+    try:
+        return storage.open_read(url)
+    except (OSError, ValueError, ImportError) as exc:  # FileNotFoundError, PermissionError...
+        raise SampleError(f"{url}: cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def file_stamp(f: IO[bytes]) -> tuple[int, int]:
+    """An opened raw file's (size, version): a local file's size and modification time; a
+    URL's size and a checksum of its ETag (or time), so a file replaced after the scan is
+    caught before its bytes are read as the scan's."""
+    details = getattr(f, "details", None)
+    if isinstance(details, dict):  # an fsspec file
+        version = details.get("ETag") or details.get("mtime") or details.get("LastModified")
+        return int(details.get("size") or 0), zlib.crc32(str(version or "").encode())
+    try:
+        info = os.fstat(f.fileno())
+    except (OSError, ValueError):  # an in-memory file (fsspec's memory://)
+        position = f.tell()
+        size = f.seek(0, os.SEEK_END)
+        f.seek(position)
+        return size, 0
+    return info.st_size, info.st_mtime_ns
 
 
 def _check_size(path: str, size: int, max_bytes: int | None) -> None:

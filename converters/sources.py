@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 
+from dlpipe import storage
 from dlpipe.converters.guard import is_structure, refuse_structure
 from dlpipe.converters.raw_tree import Listings
 from dlpipe.converters.source import (
@@ -162,12 +163,32 @@ def _source_class(kind: str) -> type[Source]:
     return cls
 
 
+def _url_source(root: str, kind: str, options: SourceOptions | None) -> Source:
+    """WebDataset shards at an fsspec URL: the one layout read from object storage (its tars
+    by byte ranges), and only when it is there."""
+    if kind not in ("auto", "webdataset"):
+        raise SourceError(
+            f"{root}: only WebDataset shards (.tar) are read from a URL; the {kind} source reads "
+            "a local folder: download the raw data (e.g. `aws s3 sync`) and convert that"
+        )
+    source = _source_class("webdataset")
+    if kind == "auto" and not source.detect(root):
+        raise SourceError(
+            f"{root}: holds no WebDataset shards (.tar files at its top or in train/, val/, "
+            "test/ folders); from a URL dlpipe reads only those: download other raw data and "
+            "convert the folder"
+        )
+    return source(root, options)
+
+
 def open_source(root: str, kind: str = "auto", options: SourceOptions | None = None) -> Source:
     """The source for `root`: the one `kind` names, or the first whose layout `root` has.
 
     Raises:
         SourceError: `root` does not exist, or no known layout matches (the message lists them).
     """
+    if storage.is_url(root):
+        return _url_source(root, kind, options)
     if not os.path.exists(root):
         raise SourceError(
             f"{display_path(root)} does not exist; give the folder (or table file) of raw data"

@@ -28,6 +28,10 @@ img2dataset: its ``NNNNN.parquet`` (per-row ``status``) or else ``NNNNN_stats.js
 holding another number of samples than its metadata's successes, or metadata of successes
 without its tar, is refused (a silently short dataset).
 
+Shards in object storage (an fsspec URL: ``s3://bucket/laion``, a folder or one ``.tar``) are
+read alike, listed by `dlpipe.converters.url_tree` and read by byte ranges; a tar changed after
+the scan (its size or ETag) fails its samples.
+
 Reading (a tar is untrusted): tars are listed by the raw-folder rule, opened with
 `open_regular`, walked header by header with dlpipe's own tar reader (`dlpipe.formats.wds`:
 sparse members, pax global and oversized extended headers refused), seeking over member data;
@@ -45,6 +49,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 
+from dlpipe import storage
 from dlpipe.converters.img2dataset import MAX_META_BYTES, Sidecars
 from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree
 from dlpipe.converters.source import (
@@ -55,10 +60,12 @@ from dlpipe.converters.source import (
     Source,
     SourceError,
     display_path,
+    file_stamp,
     log,
     open_regular,
     read_text,
 )
+from dlpipe.converters.url_tree import UrlTree
 from dlpipe.converters.wds_tars import CLASSES_FILE, ItemBuilder, Ref, Tar, TarWalker, Walk
 from dlpipe.manifest import MANIFEST_NAME
 from dlpipe.unfinished import missing_message
@@ -74,6 +81,20 @@ _JOURNAL = ".dlpipe-journal"
 
 def _is_tar(name: str) -> bool:
     return name.lower().endswith(".tar")
+
+
+def _is_folder(root: str) -> bool:
+    """A folder of tars (a URL not naming a ``.tar``), or one tar."""
+    return not _is_tar(root) if storage.is_url(root) else os.path.isdir(root)
+
+
+def _parent(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[0] if storage.is_url(path) else os.path.dirname(path)
+
+
+def _tree(root: str, listings: Listings | None) -> RawTree | UrlTree:
+    """The lister of a raw folder: on disk, or at an fsspec URL (shards in object storage)."""
+    return UrlTree(root) if storage.is_url(root) else RawTree(root, listings)
 
 
 _CLASSES_FIX = "classes.txt holds one UTF-8 class name a line: fix or remove it"
@@ -99,13 +120,13 @@ def _split_of_name(name: str) -> str | None:
 
 def _refuse_prepared(folder: str) -> None:
     """A folder dlpipe wrote (a manifest, or an unfinished conversion's journal) is no raw data."""
-    if os.path.lexists(os.path.join(folder, MANIFEST_NAME)):
+    if storage.exists(storage.join(folder, MANIFEST_NAME)):
         raise SourceError(
             f"{display_path(folder)} is a dataset dlpipe prepared ({MANIFEST_NAME}), not raw "
             f"data: check it with `dlpipe verify {display_path(folder)}` and read it as it is "
             "(dlpipe.open_dataset, dlpipe train); convert the raw data it came from instead"
         )
-    if os.path.lexists(os.path.join(folder, _JOURNAL)):
+    if storage.exists(storage.join(folder, _JOURNAL)):
         raise SourceError(f"not raw data: {missing_message(folder)}")
 
 
@@ -126,12 +147,10 @@ class WebDatasetSource(Source):
     def detect(cls, root: str, listings: Listings | None = None) -> bool:
         """A ``.tar`` file, or a folder with ``*.tar`` files at its top or in split folders and
         no other sub-folders (so class folders beside an archive stay class folders)."""
-        if os.path.isfile(root):
-            return _is_tar(root)
-        if not os.path.isdir(root):
-            return False
+        if not _is_folder(root):
+            return _is_tar(root) and (storage.is_url(root) or os.path.isfile(root))
         try:
-            tree = RawTree(root, listings)
+            tree = _tree(root, listings)
             top = tree.listing(root)
             folders = [e for e in top if e.is_dir]
             if any(e.name not in SPLIT_NAMES for e in folders):
@@ -143,18 +162,18 @@ class WebDatasetSource(Source):
 
     @property
     def _folder(self) -> str:
-        return self.root if os.path.isdir(self.root) else os.path.dirname(self.root)
+        return self.root if _is_folder(self.root) else _parent(self.root)
 
     def scan(self) -> Scan:
         _refuse_prepared(self._folder)
-        tree = RawTree(self._folder, self.take_listings())
+        tree = _tree(self._folder, self.take_listings())
         tars, files, unread_folders = self._tars(tree)
         sidecars = Sidecars.read(files, {t.path for t in tars}, self.raw_folder)
         walks = [self._walk(tar, statuses=bool(sidecars.counts)) for tar in tars]
         sidecars.check(walks)
-        classes_file = os.path.join(self._folder, CLASSES_FILE)
+        classes_file = storage.join(self._folder, CLASSES_FILE)
         labelled = any(s.label is not None for _, w in walks for s in w.samples)
-        named = labelled and os.path.isdir(self.root) and classes_file in files
+        named = labelled and _is_folder(self.root) and classes_file in files
         builder = ItemBuilder(_read_classes(classes_file, self.raw_folder) if named else ())
         for tar, walk in walks:
             builder.add(tar, walk)
@@ -187,8 +206,8 @@ class WebDatasetSource(Source):
         """The tars and their splits, the other files (sidecars included), and how many
         sub-folders are not read."""
         top = tree.listing(self._folder)
-        if not os.path.isdir(self.root):  # one tar file, and its own sidecars
-            name = os.path.basename(self.root)
+        if not _is_folder(self.root):  # one tar file, and its own sidecars
+            name = self.root[len(_parent(self.root)) + 1 :]
             wanted = {name, f"{name[:-4]}.parquet", f"{name[:-4]}_stats.json"}
             top = [e for e in top if not e.is_dir and e.name in wanted]
         split_dirs = [e for e in top if e.is_dir and e.name in SPLIT_NAMES]
@@ -233,8 +252,7 @@ class WebDatasetSource(Source):
             raise SampleError(f"{item.origin}: {ref.problem}")
         fields = {}
         with open_regular(ref.tar, self.raw_folder) as f:
-            info = os.fstat(f.fileno())
-            if (info.st_size, info.st_mtime_ns) != ref.stamp:
+            if file_stamp(f) != ref.stamp:
                 raise SampleError(f"{display_path(ref.tar)}: changed since the scan; convert again")
             for name, offset, size in ref.members:
                 try:

@@ -23,6 +23,7 @@ from dlpipe.converters.source import (
     Item,
     SourceError,
     display_path,
+    file_stamp,
     image_kind_of_name,
     log,
 )
@@ -166,9 +167,9 @@ class TarWalker:
     `statuses`, img2dataset's ``json`` are read."""
 
     def __init__(self, f: IO[bytes], statuses: bool) -> None:
-        info = os.fstat(f.fileno())
-        self.f, self.size, self.statuses = f, info.st_size, statuses
-        self.walk = Walk(stamp=(info.st_size, info.st_mtime_ns))
+        stamp = file_stamp(f)
+        self.f, self.size, self.statuses = f, stamp[0], statuses
+        self.walk = Walk(stamp=stamp)
         self.sample: _Sample | None = None
 
     def run(self) -> Walk:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ import dlpipe
 from dlpipe.synthetic import SHAPE_CLASSES, synthetic_samples
 
 FORMAT_NAMES = sorted(dlpipe.FORMATS)
+BIN = Path(sys.executable).parent
 
 
 def mixed_samples(count: int, seed: int = 0) -> list[dict]:
@@ -149,3 +154,38 @@ def one_error(capsys: pytest.CaptureFixture[str]) -> str:
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out, captured.out
     return one_error_line(captured.err)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_env() -> Iterator[dict[str, str]]:
+    """A moto S3 server on 127.0.0.1 and the environment that points clients at it."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -636,3 +636,80 @@ def test_the_description_lists_a_bounded_number_of_names(tmp_path: Path) -> None
     source = open_source(str(raw))
     unread = source.scan().description["unread_members"]
     assert len(unread) == 21 and unread["others"] == 10 and sum(unread.values()) == 30
+
+
+def _in_s3(local: Path, url: str, s3_env: dict[str, str], monkeypatch) -> None:
+    """`local`'s files uploaded under `url` on the loopback S3 server."""
+    import s3fs
+
+    for key, value in s3_env.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        fs.put_file(str(path), f"{url.removeprefix('s3://')}/{path.relative_to(local).as_posix()}")
+
+
+def _shard_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.suffix == ".tar"}
+
+
+@pytest.mark.slow
+def test_shards_in_object_storage_convert_as_the_local_copy(tmp_path, s3_env, monkeypatch) -> None:
+    """img2dataset's output in S3 (tars, parquet and stats beside them) read by byte ranges:
+    the same dataset as the local copy, captions, metadata and status counts included."""
+    make_img2dataset(tmp_path / "local")
+    _in_s3(tmp_path / "local", "s3://dlpipe-raw/laion", s3_env, monkeypatch)
+    assert convert(tmp_path / "local", tmp_path / "from-disk") == 0
+    args = ["convert", "s3://dlpipe-raw/laion", "--to", "wds", "--workers", "2"]
+    assert main([*args, "--out", str(tmp_path / "from-s3")]) == 0
+    assert _shard_bytes(tmp_path / "from-s3") == _shard_bytes(tmp_path / "from-disk")
+    remote = dlpipe.read_manifest(str(tmp_path / "from-s3")).source
+    assert (
+        remote["img2dataset"]
+        == dlpipe.read_manifest(str(tmp_path / "from-disk")).source["img2dataset"]
+    )
+
+
+@pytest.mark.slow
+def test_one_shard_url_and_split_folders_in_object_storage(tmp_path, s3_env, monkeypatch) -> None:
+    raw = tmp_path / "local"
+    for split, count in (("train", 5), ("val", 3)):
+        (raw / split).mkdir(parents=True)
+        write_shards(str(raw / split / "shard-%06d.tar"), shard_samples(split, count))
+    (raw / "classes.txt").write_text("\n".join(CLASSES))
+    _in_s3(raw, "s3://dlpipe-raw/splits", s3_env, monkeypatch)
+    assert convert(raw, tmp_path / "from-disk", "lmdb") == 0
+    assert main(["convert", "s3://dlpipe-raw/splits", "--to", "lmdb", "--out",
+                 str(tmp_path / "from-s3")]) == 0  # fmt: skip
+    for split in ("train", "val"):
+        assert read_back(tmp_path / "from-s3", split) == read_back(tmp_path / "from-disk", split)
+    url = "s3://dlpipe-raw/splits/val/shard-000000.tar"
+    assert main(["convert", url, "--to", "wds", "--out", str(tmp_path / "one")]) == 0
+    assert dlpipe.read_manifest(str(tmp_path / "one")).splits["train"].samples == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("s3://dlpipe-raw/nothing-here", "holds no WebDataset shards"),
+        ("s3://dlpipe-raw-missing-bucket/x", "holds no WebDataset shards"),
+    ],
+)
+def test_a_url_without_shards_is_one_error_line(
+    tmp_path, s3_env, monkeypatch, capsys, url: str, message: str
+) -> None:
+    _in_s3(tmp_path, "s3://dlpipe-raw/other", s3_env, monkeypatch)
+    assert main(["convert", url, "--to", "wds", "--out", str(tmp_path / "out")]) == 2
+    assert message in one_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_webdataset_shards_are_read_from_a_url(tmp_path, capsys) -> None:
+    command = ["convert", "s3://bucket/coco", "--to", "wds", "--source", "coco"]
+    assert main([*command, "--out", str(tmp_path / "out")]) == 2
+    assert "only WebDataset shards (.tar) are read from a URL" in one_error(capsys)
