@@ -48,6 +48,7 @@ __all__ = [
     "encode_field",
     "field_type",
     "image_size",
+    "jpeg_colorspace",
     "jpeg_segments",
     "max_image_pixels",
     "open_image",
@@ -204,6 +205,31 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
                 return None
             height = int.from_bytes(data[i + 5 : i + 7], "big")
             return int.from_bytes(data[i + 7 : i + 9], "big"), height
+    return None
+
+
+def jpeg_colorspace(data: bytes) -> str | None:
+    """A JPEG's colour space as libjpeg reads it from the header (``jdapimin.c``: the
+    component count, then a JFIF or Adobe marker, then the component ids): ``Gray``,
+    ``YCbCr``, ``RGB``, ``CMYK`` or ``YCCK`` (simplejpeg's names); None: no frame header, or
+    a component count libjpeg has no colour space for."""
+    ids, jfif, adobe = b"", False, -1
+    for marker, start, end in jpeg_segments(data):
+        body = data[start + 4 : end]
+        if marker == 0xE0 and body.startswith(b"JFIF\0") and len(body) >= 14:
+            jfif = True
+        elif marker == 0xEE and body.startswith(b"Adobe") and len(body) >= 12:
+            adobe = body[11]  # the transform: 0 none, 1 YCbCr, 2 YCCK
+        elif marker in SOF_MARKERS and not ids and len(body) >= 6:
+            ids = body[6 : 6 + 3 * body[5] : 3]
+    if len(ids) == 1:
+        return "Gray"
+    if len(ids) == 3:
+        if jfif or adobe > 0:
+            return "YCbCr"
+        return "RGB" if adobe == 0 or (adobe < 0 and ids == b"RGB") else "YCbCr"
+    if len(ids) == 4:
+        return "CMYK" if adobe <= 0 else "YCCK"  # no Adobe marker: CMYK
     return None
 
 

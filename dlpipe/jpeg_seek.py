@@ -21,28 +21,44 @@ and decoded alone. Two halves:
   it gives the original's pixels for the box exactly: one more MCU is kept on a side only where
   the box comes within the chroma upsampler's reach (2 pixels at the decoded scale) of the cut.
 
-Untrusted input: the layout comes from the file's own header and index and is checked whole
-(one frame, one scan, a length per MCU, each landing on the next marker in order, the last on
-the end of image); a window's bytes are the file's own,
-so a lying file decodes into garbage or a refusal, exactly as it would whole.
+Untrusted input: the layout comes from the file's own header and index, and is trusted only
+once proven against the scan (one frame, one scan, a restart interval of one MCU, a non-empty
+length per MCU from the header, each landing on the next restart marker in order, the last on
+the end of image with nothing after it, and no other marker in the entropy-coded data: as many
+intervals as MCUs, so the k-th interval is the k-th MCU for a decoder and for the index
+alike; an index shifted by a cycle of eight restart numbers is refused). What is left to lie
+is an interval's content: a window's bytes are the file's own and are decoded with any libjpeg
+warning an error (an interval with more or less than one MCU warns), so a lying file decodes
+into garbage or a refusal, exactly as it would whole. ``convert --seekable-jpeg`` never keeps
+an index it is given (`add_restart_markers` rebuilds it), and ``verify --decode`` holds crops
+cut through an index against the whole decode (`index_problem`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 from typing import NamedTuple
 
 import numpy as np
 
 from dlpipe import turbojpeg as tj
-from dlpipe.codecs import SOF_MARKERS, jpeg_segments
+from dlpipe.codecs import (
+    SOF_MARKERS,
+    check_image_pixels,
+    jpeg_segments,
+    open_image,
+    stable_message,
+)
 
 __all__ = [
     "MAX_TILES",
     "RestartLayout",
     "add_restart_markers",
     "cut_window",
+    "has_index",
+    "index_problem",
     "restart_layout",
     "seek_window",
 ]
@@ -99,7 +115,7 @@ def restart_layout(data: bytes) -> RestartLayout | None:
     sequential, Huffman-coded, single-scan JPEG with one interval per MCU and their lengths
     in an APP15 segment right after the start of image) lie, or None for any other JPEG (told
     apart by its first bytes: this runs on every train crop) or a malformed one."""
-    if not data.startswith(b"\xff\xd8\xff\xef") or not data.startswith(_INDEX_ID, _INDEX_AT + 4):
+    if not has_index(data):
         return None
     parsed = _segments(data)
     if parsed is None:
@@ -144,13 +160,106 @@ def restart_layout(data: bytes) -> RestartLayout | None:
     ends = np.add(lengths, 2, dtype=np.int64).cumsum()
     ends += scan - 2
     last = int(ends[-1])
-    if data[last : last + 2] != b"\xff\xd9":
-        return None
+    if last + 2 != len(data) or data[last:] != b"\xff\xd9" or not lengths.all():
+        return None  # no MCU codes to nothing; nothing may follow the last one
     body = np.frombuffer(data, np.uint8)
     marks = ends[:-1]
     if not ((body[marks] == 0xFF) & (body[marks + 1] == _NUMBERS[: count - 1])).all():
         return None  # the lengths do not land on the restart markers
+    if not _only_these_markers(body, scan, last, count - 1):
+        return None  # more intervals than MCUs: the index would map MCUs to the wrong ones
     return RestartLayout(width, height, mcu, columns, rows, frame, scan, ends - lengths, ends)
+
+
+def _only_these_markers(body: np.ndarray, scan: int, last: int, markers: int) -> bool:
+    """Whether the entropy-coded data ``body[scan:last]`` holds exactly `markers` markers (the
+    index's restart markers, checked already): every other 0xFF is a stuffed 0xFF 0x00. With a
+    restart interval of one MCU, a decoder takes the k-th interval as the k-th MCU, so the
+    index, whose k-th length ends on the k-th marker, names the intervals the decoder does."""
+    followed = (body[scan:last] == 0xFF) & (body[scan + 1 : last + 1] != 0)
+    return int(np.count_nonzero(followed)) == markers
+
+
+def has_index(data: bytes) -> bool:
+    """Whether `data` carries a seekable JPEG's index where `add_restart_markers` puts it
+    (told by its first bytes: whether the index is true is `restart_layout`'s to say)."""
+    return data.startswith(b"\xff\xd8\xff\xef") and data.startswith(_INDEX_ID, _INDEX_AT + 4)
+
+
+def index_problem(data: bytes) -> str | None:
+    """What is wrong with the index of a JPEG that carries one (`has_index`), or None (also
+    for any JPEG without one): ``dlpipe verify --decode`` asks it of every image.
+
+    The index must pass `restart_layout`, the JPEG must decode whole (`_decoded`: strictly,
+    where the loader's window decoder reads it), and each quarter of the image cut through the
+    index (`seek_window`: together they hold every interval) must decode to the same pixels as
+    that quarter of the whole decode.
+    """
+    if not has_index(data):
+        return None
+    layout = restart_layout(data)
+    if layout is None:
+        return (
+            "its index (APP15) does not match its entropy-coded data (the loader decodes it "
+            "whole, never through the index)"
+        )
+    try:
+        check_image_pixels(data)
+        whole = _decoded(data)
+    except ValueError as exc:  # FieldDecodeError, ImageTooLargeError too
+        return f"it does not decode cleanly: {exc}"
+    rows, cols = (0, layout.height // 2, layout.height), (0, layout.width // 2, layout.width)
+    for top, bottom in itertools.pairwise(rows):
+        for left, right in itertools.pairwise(cols):
+            box = (top, left, bottom - top, right - left)
+            if min(box[2:]) > 0 and not _window_matches(data, layout, box, whole):
+                return (
+                    f"the crop (top, left, height, width) = {box} cut through its restart index "
+                    "does not decode to the same crop of the whole image"
+                )
+    return None
+
+
+def _decoded(data: bytes) -> np.ndarray:
+    """RGB pixels, decoded as the loader decodes a window: libjpeg-turbo through simplejpeg,
+    any warning an error; through Pillow where simplejpeg does not take the kind (the loader
+    then decodes the JPEG whole, never a window of it).
+
+    Raises:
+        ValueError: the bytes do not decode (cleanly).
+    """
+    import simplejpeg  # a core dependency; imported where only verify needs it
+
+    try:
+        simplejpeg.decode_jpeg_header(data)
+    except KeyError:  # a subsampling with no name in simplejpeg's table: it decodes it
+        pass
+    except ValueError:
+        try:
+            with open_image(data) as image:
+                return np.asarray(image.convert("RGB"))
+        except ValueError:
+            raise
+        except Exception as exc:  # Pillow raises OSError, SyntaxError, ...
+            raise ValueError(stable_message(exc)) from None
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+
+
+def _window_matches(
+    data: bytes, layout: RestartLayout, box: tuple[int, int, int, int], whole: np.ndarray
+) -> bool:
+    window = seek_window(data, layout, box)
+    if window is None:  # the box needs every MCU: the window is the whole image
+        return True
+    cut, (width, height), y0, x0 = window
+    try:
+        part = _decoded(cut)
+    except ValueError:
+        return False
+    top, left, rows, cols = box
+    got = part[top - y0 : top - y0 + rows, left - x0 : left - x0 + cols]
+    want = whole[top : top + rows, left : left + cols]
+    return part.shape[:2] == (height, width) and np.array_equal(got, want)
 
 
 def _u16(data: bytes, at: int) -> int:
@@ -214,9 +323,28 @@ def cut_window(
 def add_restart_markers(data: bytes) -> bytes | None:
     """`data` rewritten losslessly with a restart marker after every MCU, or None: no
     TurboJPEG 3 library here, not an 8-bit lossy YCbCr or greyscale JPEG the library reads,
-    or more than `MAX_TILES` MCUs. A JPEG that has them already comes back as it is."""
-    if restart_layout(data) is not None:
-        return data
+    or more than `MAX_TILES` MCUs.
+
+    The index is always rebuilt from the scan, never taken from the input: a JPEG that comes
+    with one (seekable already, or claiming to be) is rewritten like any other, and comes back
+    as it is (the same object) only where the rewrite gives its very bytes. One that the
+    rewrite does not take comes back without its index (a plain JPEG, the same pixels)."""
+    rebuilt = _rebuilt(data)
+    if rebuilt is None:
+        return _without_index(data)
+    return data if rebuilt == data else rebuilt
+
+
+def _without_index(data: bytes) -> bytes | None:
+    """`data` without the APP15 index a seekable JPEG carries, or None where it has none."""
+    if not has_index(data):
+        return None
+    end = _INDEX_AT + 2 + _u16(data, _INDEX_AT + 2)
+    return data[:_INDEX_AT] + data[end:] if end <= len(data) else None
+
+
+def _rebuilt(data: bytes) -> bytes | None:
+    """`data` cut into one-MCU tiles and joined again with its index (None: not taken)."""
     lib = tj.region_library()
     parsed = _segments(data)
     if lib is None or parsed is None:
@@ -287,6 +415,8 @@ def _joined(
     sos = segments[-1][1]
     head = bytearray(b"\xff\xd8")
     for marker, start, end in original:  # EXIF, ICC, Adobe, comments: as they were
+        if marker == 0xEF and data.startswith(_INDEX_ID, start + 4):
+            continue  # an index found in the input: never trusted, rebuilt below
         if 0xE0 <= marker <= 0xEF or marker == 0xFE:
             head += data[start:end]
     for marker, start, end in segments:

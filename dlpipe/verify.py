@@ -33,6 +33,7 @@ from dlpipe import storage
 from dlpipe.codecs import decode_sample
 from dlpipe.errors import DlpipeError
 from dlpipe.formats import ShardFormat, ShardReader, get_format, require_storage
+from dlpipe.jpeg_seek import index_problem
 from dlpipe.manifest import (
     MANIFEST_NAME,
     PROFILES_NAME,
@@ -237,7 +238,7 @@ def _decode_shard(reader: ShardReader, split: str, num_classes: int) -> tuple[Pr
     try:
         for sample in reader:
             decode_sample(sample)
-            wrong = label_problem(sample, num_classes)
+            wrong = label_problem(sample, num_classes) or _index_problem(sample)
             if wrong is not None:
                 return Problem(split, reader.info.name, wrong, index), index
             index += 1
@@ -246,6 +247,23 @@ def _decode_shard(reader: ShardReader, split: str, num_classes: int) -> tuple[Pr
     if index != reader.info.samples:
         return _count_mismatch(split, reader.info, index), index
     return None, index
+
+
+def _index_problem(sample: Sample) -> str | None:
+    """What is wrong with the restart index of a seekable JPEG in the sample (`dlpipe.jpeg_seek`:
+    a crop cut through it must decode to the whole decode's pixels), or None."""
+    for name, value in sample.items():
+        if name == KEY_FIELD or not isinstance(value, (bytes, bytearray, memoryview)):
+            continue
+        problem = index_problem(bytes(value))
+        if problem is not None:
+            return (
+                f"sample {str(sample.get(KEY_FIELD))[:80]!r} field {name!r} is a seekable JPEG "
+                f"whose restart index cannot be trusted: {problem}; re-convert the dataset "
+                "with --seekable-jpeg (which rebuilds every index) or restore this shard from "
+                "a good copy"
+            )
+    return None
 
 
 def _count_problem(reader: ShardReader, split: str) -> Problem | None:

@@ -47,6 +47,8 @@ except ImportError:  # pragma: no cover - simplejpeg is a dependency; the fallba
 from dlpipe.codecs import (
     IMAGE_EXTENSIONS,
     check_image_pixels,
+    image_size,
+    jpeg_colorspace,
     max_image_pixels,
     open_image,
     stable_message,
@@ -132,14 +134,23 @@ def dct_factor(box_width: int, box_height: int, size: int) -> int:
 
 
 def jpeg_header(data: bytes) -> tuple[int, int, str] | None:
-    """A JPEG's (height, width, colour space: ``YCbCr``, ``Gray``, ``CMYK`` or ``YCCK``) from
-    its header, or None: not a JPEG, a header libjpeg-turbo refuses, or no simplejpeg."""
+    """A JPEG's (height, width, colour space: ``YCbCr``, ``Gray``, ``RGB``, ``CMYK`` or
+    ``YCCK``) from its header, or None: not a JPEG, a header libjpeg-turbo refuses, or no
+    simplejpeg. Every subsampling libjpeg-turbo reads is answered, 4:4:1 included."""
     if simplejpeg is None or not data.startswith(b"\xff\xd8"):
         return None
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None
+    except KeyError:
+        # libjpeg-turbo read the header, but simplejpeg's table has no name for its
+        # subsampling (4:4:1, TurboJPEG's TJSAMP_441): the size and colour space as libjpeg
+        # reads them from the header; the decode still checks the bytes
+        size, colorspace = image_size(data), jpeg_colorspace(data)
+        if size is None or colorspace is None:
+            return None
+        width, height = size
     return int(height), int(width), str(colorspace)
 
 
@@ -158,8 +169,10 @@ def decode_jpeg_scaled(data: bytes, factor: int) -> torch.Tensor | None:
     height, width, _ = header
     shape = (-(-height // factor), -(-width // factor))  # libjpeg rounds scaled sizes up
     try:
+        # strict: a warning refuses (so does a seekable JPEG's window with an interval of
+        # more or less than one MCU: the caller then decodes the file whole)
         array = simplejpeg.decode_jpeg(
-            data, colorspace="RGB", min_height=shape[0], min_width=shape[1]
+            data, colorspace="RGB", min_height=shape[0], min_width=shape[1], strict=True
         )
     except ValueError:
         return None
