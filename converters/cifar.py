@@ -19,6 +19,11 @@ only as regular files inside the raw folder (a FIFO, a device or a link out of i
 
 Produces one sample per image: a lossless 32x32 RGB PNG and ``cls``, split ``train`` or
 ``test``, keyed ``cifar10_train_000123`` (the image's index in its split, in file order).
+
+Every other file below ``root`` is not read and is counted in ``source.unused``: the class-name
+lists of CIFAR's binary versions (``batches.meta.txt``, ``fine_label_names.txt``,
+``coarse_label_names.txt``) as annotation files, image files as images, the rest
+(``readme.html``, CIFAR-100's ``file.txt~``, the download's archive) as other.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from dlpipe.converters.listed import unread_account, unused_kind
 from dlpipe.converters.raw_tree import Listings
 from dlpipe.converters.source import (
     Item,
@@ -38,6 +44,7 @@ from dlpipe.converters.source import (
     Scan,
     Source,
     SourceError,
+    display_path,
     file_problem,
     open_regular,
     raw_folder_of,
@@ -53,6 +60,8 @@ _LAYOUTS: dict[str, tuple[str, str, bytes, bytes, dict[str, tuple[str, ...]]]] =
     "cifar100": ("cifar-100-python", "meta", b"fine_label_names", b"fine_labels",
                  {"train": ("train",), "test": ("test",)}),
 }  # fmt: skip
+_TITLES = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100"}
+_NAME_LISTS = frozenset({"batches.meta.txt", "fine_label_names.txt", "coarse_label_names.txt"})
 _cache: dict[tuple[str, int, int], np.ndarray] = {}  # per process: (path, mtime, size) -> data
 _RECONSTRUCT = np.empty(0).__reduce__()[0]  # numpy.(_)core.multiarray._reconstruct, as it pickles
 
@@ -164,8 +173,22 @@ class CifarSource(Source):
                     key = f"{name}_{split}_{len(items) - start:06d}"
                     origin = f"{path} row {row}"
                     items.append(Item(key, label, split, (file, row), _SIZE, "png", origin))
-        description = {"kind": self.kind, "root": self.root, "dataset": name, "folder": folder}
+        read = {os.path.join(folder, f) for f in (meta_file, *sum(splits.values(), ()))}
+        description = {
+            "kind": self.kind,
+            "root": display_path(self.root),
+            "dataset": name,
+            "folder": display_path(folder),
+            "layout": self._layout_text(name, folder),
+            **unread_account(self.root, read, self.take_listings(), _unused_kind),
+        }
         return Scan(classes=classes, items=tuple(items), description=description)
+
+    def _layout_text(self, name: str, folder: str) -> str:
+        shipped, meta_file, _, _, splits = _LAYOUTS[name]
+        where = "its top" if folder == self.root else f"{display_path(shipped)}/"
+        batches = ", ".join(f for files in splits.values() for f in files)
+        return f"{where} holds {_TITLES[name]}'s python batches ({batches}) and {meta_file}"
 
     @staticmethod
     def _classes(path: str, names_key: bytes, raw_folder: str) -> tuple[str, ...]:
@@ -192,6 +215,11 @@ class CifarSource(Source):
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="PNG")
         return {"image": buffer.getvalue()}
+
+
+def _unused_kind(rel: str) -> str:
+    """Another CIFAR version's class-name list is an annotation file; else by suffix."""
+    return "annotation files" if rel.rpartition("/")[2] in _NAME_LISTS else unused_kind(rel)
 
 
 def _find(root: str) -> list[tuple[str, str]]:

@@ -21,15 +21,17 @@ named by ``name-prefix``, at least 2 labels with at least 2 images each, and no 
 a camera's or tool's generic prefix (``IMG``, ``DSC``, ``PXL``, ``image``, ``frame``, ... see
 `GENERIC_PREFIXES`: a folder of phone photos has no classes). Every other split folder is
 either labelled the same way, or holds only images named by bare numbers (``1.jpg``): an
-unlabelled split. Non-image files are ignored (counted), unless more than half of the images
-have one beside them with the same stem (``0001.jpg`` + ``0001.json``): that is the ``files``
-layout. ``--label-from`` (or ``--source filenames``) reads the layout without these checks.
+unlabelled split. Non-image files are not read (counted in ``source.unused`` as other, with the
+files beside the split folders), unless more than half of the images have one beside them with
+the same stem (``0001.jpg`` + ``0001.json``): that is the ``files`` layout. ``--label-from``
+(or ``--source filenames``) reads the layout without these checks.
 
 Unlabelled splits: a split folder in which no image name gives a label becomes a split of
 samples without ``cls`` (its manifest entry lists its own fields), as the table source gives
 Kaggle's ``test.csv``; at least one split must have labels. In a labelled split, an image
 whose name gives no label is a per-sample error (``--on-error``: skipped and listed in
-``errors.jsonl``, or the run stops naming it), counted in a warning at the scan.
+``errors.jsonl``, or the run stops naming it), counted in a warning at the scan (and in
+``source.skipped``, not in ``source.unused``: it was planned as a sample).
 
 Produces one sample per image: the image and ``cls`` (class index = position in the sorted
 label names). The key is the file name without its suffix, escaped by the key rule
@@ -45,7 +47,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree
+from dlpipe.converters.listed import count_unused
+from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree, relative_path
 from dlpipe.converters.source import (
     SPLIT_WORDS,
     Item,
@@ -152,6 +155,15 @@ def _split_folders(tree: RawTree, root: str) -> dict[str | None, str] | None:
     return {split: path for path, split in sorted(splits.items(), key=lambda p: p[1] or "")}
 
 
+def _layout_text(folders: dict[str | None, str], rule: LabelRule, unlabelled: list[str]) -> str:
+    """Where the images lie and how their names give labels."""
+    where = "its top"
+    if None not in folders:
+        where = ", ".join(f"{display_path(os.path.basename(f))}/" for f in folders.values())
+    bare = f" ({', '.join(unlabelled)}: no labels, bare numbers)" if unlabelled else ""
+    return f"the image names in {where} give the labels by --label-from {rule.text}{bare}"
+
+
 def _images(entries: list[RawEntry]) -> list[RawEntry]:
     return [e for e in entries if not e.is_dir and image_kind_of_name(e.name)]
 
@@ -241,17 +253,20 @@ class FilenamesSource(Source):
                 cls = None if label is None else index[display_path(label)]
                 items.append(self._item(entry, rel, split, cls, None if bare else rule))
         self._warn_unlabelled(items, rule)
-        ignored = sum(
-            not e.is_dir and not image_kind_of_name(e.name)
-            for folder in folders.values()
+        unread = [
+            e.path
+            for folder in dict.fromkeys((self.root, *folders.values()))
             for e in tree.listing(folder)
-        )
+            if not e.is_dir and not image_kind_of_name(e.name)
+        ]
         description = {
             "kind": self.kind,
             "root": display_path(self.root),
+            "layout": _layout_text(folders, rule, unlabelled),
             "label_from": rule.text,
             "unlabelled_splits": unlabelled,
-            "ignored_files": ignored,
+            "ignored_files": sum(os.path.dirname(p) in folders.values() for p in unread),
+            "unused": count_unused(relative_path(p, self.root) for p in unread),
             **tree.report(),
         }
         return Scan(classes=tuple(classes), items=tuple(items), description=description)

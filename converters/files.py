@@ -16,6 +16,9 @@ by `dlpipe.sample.make_key` when too long; the item's ``original`` keeps the ful
 Read as every source reads a raw folder (`dlpipe.converters.source`): regular files only,
 hidden and OS/tool names skipped, file links followed only inside the root, folder links not
 followed; special files and links out are listed as skipped entries in the scan description.
+With split folders, the files beside them (a README, other folders) and a ``classes.txt``
+inside one are not read: ``source.unused`` counts them (images by their suffix, the rest as
+other).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import itertools
 import os
 from collections import defaultdict
 
+from dlpipe.converters.listed import count_unused
 from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree, relative_path
 from dlpipe.converters.source import (
     SPLIT_NAMES,
@@ -77,9 +81,16 @@ class FilesSource(Source):
     def scan(self) -> Scan:
         tree = RawTree(self.root, self.take_listings())
         classes = self._classes()
+        folders = self._split_folders(tree)
+        files = list(tree.files(self.root))
         items: list[Item] = []
-        for split, folder in self._split_folders(tree).items():
-            items += self._scan_split(tree, split, folder)
+        read: set[str] = set()
+        for split, folder in folders.items():
+            below = [e for e in files if e.path.startswith(folder + os.sep)]
+            items += self._scan_split(split, folder, below)
+            read |= {e.path for e in below if relative_path(e.path, folder) != _CLASSES_FILE}
+        read.add(os.path.join(self.root, _CLASSES_FILE))  # read by _classes when there
+        unread = [relative_path(e.path, self.root) for e in files if e.path not in read]
         if not items:
             raise SourceError(f"{display_path(self.root)}: no files to group into samples")
         fields = {
@@ -91,7 +102,13 @@ class FilesSource(Source):
                 f"{self.root}: samples carry different fields ({shapes}); every sample needs "
                 "the same files (add the missing ones or remove the extra)"
             )
-        description = {"kind": self.kind, "root": display_path(self.root), **tree.report()}
+        description = {
+            "kind": self.kind,
+            "root": display_path(self.root),
+            "layout": _layout_text(folders, next(iter(fields))),
+            "unused": count_unused(unread),
+            **tree.report(),
+        }
         return Scan(classes=classes, items=tuple(items), description=description)
 
     def _classes(self) -> tuple[str, ...]:
@@ -102,9 +119,10 @@ class FilesSource(Source):
         text = read_text(path, self.raw_folder, max_bytes=_MAX_CLASSES_BYTES, fix=fix)
         return tuple(line.strip() for line in text.splitlines() if line.strip())
 
-    def _scan_split(self, tree: RawTree, split: str | None, folder: str) -> list[Item]:
+    def _scan_split(self, split: str | None, folder: str, files: list[RawEntry]) -> list[Item]:
+        """The items of the `files` below `folder` (one split's)."""
         groups: dict[str, dict[str, RawEntry]] = defaultdict(dict)
-        for entry in tree.files(folder):
+        for entry in files:
             rel = relative_path(entry.path, folder)
             if rel == _CLASSES_FILE:
                 continue
@@ -158,3 +176,11 @@ class FilesSource(Source):
         if not fields:
             raise SampleError(f"{item.origin}: sample {item.key!r} has no fields besides cls")
         return fields
+
+
+def _layout_text(folders: dict[str | None, str], fields: tuple[str, ...]) -> str:
+    """Which files made the samples: grouped by stem, at the top or in the split folders."""
+    where = "at its top"
+    if None not in folders:
+        where = "in " + ", ".join(f"{display_path(os.path.basename(f))}/" for f in folders.values())
+    return f"files {where} grouped by stem into samples of {', '.join(fields)}"

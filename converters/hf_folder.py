@@ -29,20 +29,24 @@ Produces one sample per row, every column kept:
 - every other column → ``json`` (sorted keys, JSON-safe values as the ``table`` source writes).
 
 The key is the image's path in its split folder without suffix, escaped (``images%2F1``); a
-file named by several rows gets ``#1``, ``#2``... A row whose file is missing, outside its
+file named by several rows gets ``#1``, ``#2``... ``--key-col`` names a column whose values are
+the keys instead, as the table source reads one (escaped, shortened when too long; an empty
+value or a key twice in a split stops the scan naming the row). ``--image-root`` is refused:
+``file_name`` is relative to its metadata file's folder, as Hugging Face resolves it (the
+``table`` source looks paths up in an image root). A row whose file is missing, outside its
 metadata's folder (``../x.jpg``, an absolute path), or whose box or label is malformed, is a
 skipped sample; when most of a metadata file's first rows name no file the scan stops naming
 the file, a row and where it looked. Images no row names are not read (ImageFolder leaves them
-out too): counted in ``unused`` and warned about. Files are read by the raw-folder rule of
-`dlpipe.converters.source`. Reading the metadata files and the columns' roles:
-`dlpipe.converters.hf_metadata`; labels, objects and fields of a row: `dlpipe.converters.hf_rows`.
+out too): counted in ``unused`` (as images; every other file no row names as other) and warned
+about. Files are read by the raw-folder rule of `dlpipe.converters.source`. Reading the
+metadata files and the columns' roles: `dlpipe.converters.hf_metadata`; labels, objects, keys
+and fields of a row: `dlpipe.converters.hf_rows`.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-from collections import Counter
 from typing import Any, NamedTuple
 
 from dlpipe.annotations import BOXES_SCHEMA, CAPTION_SCHEMA
@@ -59,11 +63,14 @@ from dlpipe.converters.hf_metadata import (
 from dlpipe.converters.hf_rows import (
     Row,
     assign_labels,
+    column_keys,
     first_with,
     object_extras,
     parse_objects,
+    path_keys,
     row_fields,
 )
+from dlpipe.converters.listed import count_unused
 from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree, relative_path
 from dlpipe.converters.source import (
     IMAGE_SUFFIXES,
@@ -79,7 +86,6 @@ from dlpipe.converters.source import (
     log,
     read_file,
 )
-from dlpipe.sample import make_key
 
 __all__ = ["BBOX_FORMAT", "HfFolderSource"]
 
@@ -114,6 +120,13 @@ class HfFolderSource(Source):
         return any(names_files(e.path, tree.folder) for e in found)
 
     def scan(self) -> Scan:
+        if self.options.image_root:
+            raise SourceError(
+                f"--image-root {display_path(self.options.image_root)!r}: a Hugging Face "
+                "image folder names each image in file_name relative to its metadata file's "
+                "folder, so the hf source has no image root; drop --image-root (or read the "
+                "metadata as a table, whose paths are looked up there: --source table)"
+            )
         tree = RawTree(self.root, self.take_listings())
         files: dict[str, RawEntry] = {}
         metas: list[str] = []
@@ -196,6 +209,12 @@ class _Scanner:
             )
         options = self.source.options
         metas = [read_metadata(p, self.root, self.tree.folder) for p in self.metas]
+        for meta in metas:
+            if options.key_col and options.key_col not in meta.columns:
+                raise SourceError(
+                    f"{meta.name}: --key-col {options.key_col!r} is not a column; the columns "
+                    f"are {', '.join(meta.columns)}"
+                )
         out = [(m, find_roles(m, options.image_col, options.label_col)) for m in metas]
         self._check_splits(out)
         return out
@@ -274,19 +293,14 @@ class _Scanner:
         )
 
     def _items(self, rows: list[Row], how: str | None) -> list[Item]:
-        seen: Counter[tuple[str | None, str]] = Counter()
         kinds = self._extra_kinds(rows)
         with_json = {r.meta.split for r in rows if r.roles.json or object_extras(r)}
+        key_col = self.source.options.key_col
+        keys = column_keys(rows, key_col) if key_col else path_keys(rows)
         items = []
-        for row in rows:
-            path = row.values.get(row.roles.image)
-            rel = resolve_path(row.meta.folder, path) or f"row{row.index}"
-            stem = os.path.splitext(_in_split(rel, row.meta.split))[0]
-            count = seen[(row.meta.split, stem)]
-            seen[(row.meta.split, stem)] += 1
-            key, shortened = make_key(stem if not count else f"{stem}#{count}")
+        for row, (key, original) in zip(rows, keys, strict=True):
             fields = row_fields(row, row.meta.split in with_json) if row.problem is None else {}
-            items.append(self._item(row, key, shortened, fields, kinds, how))
+            items.append(self._item(row, key, original, fields, kinds, how))
         return items
 
     def _extra_kinds(self, rows: list[Row]) -> dict[str, str]:
@@ -306,7 +320,7 @@ class _Scanner:
         self,
         row: Row,
         key: str,
-        shortened: bool,
+        original: str | None,
         fields: dict[str, bytes],
         kinds: dict[str, str],
         how: str | None,
@@ -323,14 +337,14 @@ class _Scanner:
             size=size + (row.image.size if row.image else 0),
             image_kind=image_kind_of_name(str(value)) if value else None,
             origin=f"{row.origin} ({value})" if value else row.origin,
-            original=display_path(key) if shortened else None,
+            original=original,
         )
 
     def _description(
         self, metas: list[tuple[MetadataFile, Roles]], how: str | None
     ) -> dict[str, Any]:
-        images = [r for r in self.files if posixpath.splitext(r)[1].lower() in IMAGE_SUFFIXES]
-        unused = sorted(r for r in images if r not in self.used)
+        unread = self.files.keys() - self.used
+        unused = sorted(r for r in unread if posixpath.splitext(r)[1].lower() in IMAGE_SUFFIXES)
         if unused:
             log.warning(
                 "%s: %d image files are named by no metadata row and are not read (%s); "
@@ -353,13 +367,7 @@ class _Scanner:
             "columns": {m.name: _columns(r) for m, r in metas},
             "labels": how,
             "bbox_format": BBOX_FORMAT if how == "objects" else None,
-            "unused": {
-                "annotation files": 0,
-                "split lists": 0,
-                "masks": 0,
-                "images": len(unused),
-                "other": len(self.files) - len(images),
-            },
+            "unused": count_unused(unread),
             "unused_examples": [display_path(u) for u in unused[:20]],
             **self.tree.report(),
         }
@@ -375,15 +383,6 @@ def _bad_path(column: str, value: Any, folder: str) -> str:
         f"{display_path(folder or '.')}; Hugging Face file names are relative paths inside "
         "it, and dlpipe reads nothing else"
     )
-
-
-def _in_split(rel: str, split: str | None) -> str:
-    """`rel` (relative to the root) relative to its split folder (``[data/]<split>/``)."""
-    if split is None:
-        return rel
-    parts = rel.split("/")
-    start = 1 if parts[0] == "data" else 0
-    return "/".join(parts[start + 1 :]) or rel
 
 
 def _shape(roles: Roles) -> tuple[Any, ...]:

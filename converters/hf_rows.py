@@ -1,32 +1,45 @@
-"""The rows of a Hugging Face image folder's metadata: their objects, labels and fields.
+"""The rows of a Hugging Face image folder's metadata: their objects, labels, keys and fields.
 
 `parse_objects` reads an ``objects`` cell (COCO ``[x, y, width, height]`` boxes → XYXY);
 `assign_labels` names the classes (a ``label`` column, the objects' categories, or the images'
-folders) and turns each row's into class indices; `row_fields` encodes a row's ``txt``,
-``boxes.json`` and ``json``. A row that breaks a rule fails (`Row.fail`): its sample is skipped
-and listed. The rules are stated in `dlpipe.converters.hf_folder`.
+folders) and turns each row's into class indices; `path_keys` and `column_keys` make the
+sample keys (from the image paths, or the ``--key-col`` column); `row_fields` encodes a row's
+``txt``, ``boxes.json`` and ``json``. A row that breaks a rule fails (`Row.fail`): its sample is
+skipped and listed. The rules are stated in `dlpipe.converters.hf_folder`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import posixpath
+from collections import Counter
 from typing import Any
 
 from dlpipe.annotations import encode_boxes
-from dlpipe.converters.hf_metadata import NO_LABEL, UNLABELLED, MetadataFile, Roles
+from dlpipe.converters.hf_metadata import (
+    NO_LABEL,
+    UNLABELLED,
+    MetadataFile,
+    Roles,
+    resolve_path,
+)
 from dlpipe.converters.raw_tree import RawEntry
 from dlpipe.converters.source import SourceError, display_path, log
 from dlpipe.converters.table import jsonable
+from dlpipe.errors import InvalidKeyError
+from dlpipe.sample import make_key
 
 __all__ = [
     "Objects",
     "Row",
     "assign_labels",
+    "column_keys",
     "first_with",
     "object_extras",
     "parse_objects",
+    "path_keys",
     "row_fields",
 ]
 
@@ -89,6 +102,69 @@ def parse_objects(value: Any) -> Objects:
 
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def column_keys(rows: list[Row], column: str) -> list[tuple[str, str | None]]:
+    """Each row's key from `column` (``--key-col``), as the table source makes keys from its
+    id column: the value (an integral float as its integer) escaped by the key rule, the full
+    value kept when the key had to be shortened. A value that is no string or number (empty,
+    a list, a boolean) and a key twice in one split are a `SourceError` naming the row."""
+    keys: list[tuple[str, str | None]] = []
+    first: dict[tuple[str | None, str], str] = {}  # (split, key) -> the row that made it
+    for row in rows:
+        value = row.values.get(column)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        try:
+            if not _is_key_value(value):
+                raise InvalidKeyError("a key is made from a string or a number")
+            text = str(value)
+            key, shortened = make_key(text)
+        except InvalidKeyError as exc:
+            raise SourceError(
+                f"{row.origin}: {column} {value!r} cannot be a key ({exc}); fix the value, or give "
+                "another column with --key-col"
+            ) from None
+        where = first.setdefault((row.meta.split, key), row.origin)
+        if where != row.origin:
+            raise SourceError(
+                f"{row.origin}: key {display_path(text)!r} in column {column!r} is a duplicate "
+                f"(first in {where}); keys must be unique in a split: fix the column, or give "
+                "another column with --key-col"
+            )
+        keys.append((key, display_path(text) if shortened else None))
+    return keys
+
+
+def path_keys(rows: list[Row]) -> list[tuple[str, str | None]]:
+    """Each row's key from its image's path in its split folder, without suffix (``#1``,
+    ``#2``... for a file named again), and the full text when the key was shortened."""
+    seen: Counter[tuple[str | None, str]] = Counter()
+    keys: list[tuple[str, str | None]] = []
+    for row in rows:
+        rel = resolve_path(row.meta.folder, row.values.get(row.roles.image)) or f"row{row.index}"
+        stem = os.path.splitext(_in_split(rel, row.meta.split))[0]
+        count = seen[(row.meta.split, stem)]
+        seen[(row.meta.split, stem)] += 1
+        text = stem if not count else f"{stem}#{count}"
+        key, shortened = make_key(text)
+        keys.append((key, display_path(text) if shortened else None))
+    return keys
+
+
+def _in_split(rel: str, split: str | None) -> str:
+    """`rel` (relative to the root) relative to its split folder (``[data/]<split>/``)."""
+    if split is None:
+        return rel
+    parts = rel.split("/")
+    start = 1 if parts[0] == "data" else 0
+    return "/".join(parts[start + 1 :]) or rel
+
+
+def _is_key_value(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
 def _class_label_names(feature: Any) -> tuple[str, ...] | None:

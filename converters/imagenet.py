@@ -17,6 +17,12 @@ its labels always come from the label file, by file stem. Classes are the wnids 
 = n01440764) in both splits; their names are ``class_names`` in the manifest's ``source``. The
 unlabelled ``test/`` is left out (``source.left_out``).
 
+Everything else below ``root`` is not read and is counted in ``source.unused``: the images of
+``test/`` and images directly in ``train/`` (no synset folder) as images; Kaggle's
+``LOC_train_solution.csv`` and ``ILSVRC/Annotations/`` (boxes) as annotation files;
+``ILSVRC/ImageSets/`` and the devkit's ``ILSVRC2012_validation_blacklist.txt`` as split lists;
+the rest (``LOC_sample_submission.csv``, the devkit's code and readme) as other.
+
 Produces one sample per image: the image and ``cls``, split ``train`` or ``val``; keyed by the
 path in ``train/`` without suffix, escaped (``n01440764%2Fn01440764_10026``), or the val stem.
 
@@ -35,8 +41,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dlpipe.converters.listed import count_unused, unused_kind
 from dlpipe.converters.matfile import read_struct_rows
-from dlpipe.converters.raw_tree import Listings, RawTree, relative_path
+from dlpipe.converters.raw_tree import Listings, RawEntry, RawTree, relative_path
 from dlpipe.converters.source import (
     Item,
     SampleError,
@@ -61,6 +68,7 @@ _WNID, _CLASS_ID = re.compile(r"n[0-9]{8}"), re.compile(r"[0-9]{1,9}")
 _MAX_LABEL_FILE_BYTES = 64 << 20  # LOC_val_solution.csv is 2.4 MB
 _MAX_MAT_BYTES = 16 << 20  # meta.mat, as read and decompressed (about 1.5 MB in the devkit)
 _SYNSET_FIELDS = ("ILSVRC2012_ID", "WNID", "words", "num_children")
+_BOXES, _BLACKLIST = "LOC_train_solution.csv", "ILSVRC2012_validation_blacklist.txt"
 
 
 def _shown(text: str) -> str:
@@ -240,15 +248,21 @@ class ImageNetSource(Source):
         classes = tuple(sorted(names))
         index = {wnid: i for i, wnid in enumerate(classes)}
         tree = RawTree(self.root, self.take_listings())
-        train, ignored = self._train_items(tree, layout, index)
-        val, val_ignored = self._val_items(tree, layout, index, val_labels)
+        for split in ("train", "val"):
+            self._check_folder(layout, split)
+        files = list(tree.files(self.root))
+        train, ignored = self._train_items(files, layout, index)
+        val, val_ignored = self._val_items(files, layout, index, val_labels)
+        read = {layout.classes_file, layout.labels_file} | {it.ref[0] for it in train + val}
+        unread = [relative_path(e.path, self.root) for e in files if e.path not in read]
         description = {
             "kind": self.kind,
             "root": display_path(self.root),
-            "layout": layout.name,
+            "layout": self._layout_text(layout),
             "labels_files": [display_path(layout.classes_file), display_path(layout.labels_file)],
             "class_names": [names[wnid] for wnid in classes],
             "ignored_files": ignored + val_ignored,
+            "unused": count_unused(unread, _unused_kind),
             **tree.report(),
         }
         test = os.path.join(layout.splits, "test")
@@ -256,11 +270,19 @@ class ImageNetSource(Source):
             description["left_out"] = {"test": f"{display_path(test)}: no labels"}
         return Scan(classes=classes, items=tuple(train + val), description=description)
 
-    def _images(
-        self, tree: RawTree, layout: _Layout, split: str
-    ) -> tuple[list[tuple[str, Item]], int]:
-        """(path in the split folder without suffix, item with no label yet) of every image
-        below the split's folder, and how many other files there are."""
+    def _layout_text(self, layout: _Layout) -> str:
+        """Which layout was read, and the files that made it that one."""
+        labels = ", ".join(
+            display_path(os.path.relpath(p, self.root))
+            for p in (layout.classes_file, layout.labels_file)
+        )
+        splits = os.path.relpath(layout.splits, self.root)
+        where = "" if splits == "." else f"{display_path(splits)}/"
+        what = "the Kaggle download" if layout.name == "kaggle" else "the devkit"
+        return f"{layout.name}: {what} ({labels}) labels the images of {where}train/ and val/"
+
+    def _check_folder(self, layout: _Layout, split: str) -> None:
+        """Refuse a split folder that is missing or lies under a symbolic link."""
         folder = os.path.join(layout.splits, split)
         if not os.path.isdir(folder):
             raise SourceError(
@@ -268,8 +290,17 @@ class ImageNetSource(Source):
                 "val/ (extract the ImageNet train and val images there)"
             )
         _inside(self.root, folder)
+
+    def _images(
+        self, files: list[RawEntry], layout: _Layout, split: str
+    ) -> tuple[list[tuple[str, Item]], int]:
+        """(path in the split folder without suffix, item with no label yet) of every image
+        below the split's folder (`files`: every file below the root, as walked), and how many
+        other files there are."""
+        folder = os.path.join(layout.splits, split)
+        below = folder + os.sep
         items, ignored = [], 0
-        for entry in tree.files(folder):
+        for entry in (e for e in files if e.path.startswith(below)):
             kind = image_kind_of_name(entry.name)
             if kind is None:
                 ignored += 1
@@ -283,9 +314,9 @@ class ImageNetSource(Source):
         return items, ignored
 
     def _train_items(
-        self, tree: RawTree, layout: _Layout, index: dict[str, int]
+        self, files: list[RawEntry], layout: _Layout, index: dict[str, int]
     ) -> tuple[list[Item], int]:
-        found, ignored = self._images(tree, layout, "train")
+        found, ignored = self._images(files, layout, "train")
         items = []
         for rel, item in found:
             wnid, slash, _ = rel.partition("/")
@@ -303,12 +334,12 @@ class ImageNetSource(Source):
 
     def _val_items(
         self,
-        tree: RawTree,
+        files: list[RawEntry],
         layout: _Layout,
         index: dict[str, int],
         labels: dict[str, tuple[str, str]],
     ) -> tuple[list[Item], int]:
-        found, ignored = self._images(tree, layout, "val")
+        found, ignored = self._images(files, layout, "val")
         classes_file = display_path(layout.classes_file)
         stems: dict[str, str] = {}
         for rel, item in found:
@@ -338,6 +369,17 @@ class ImageNetSource(Source):
         if problem:
             raise SampleError(problem)
         return {"image": read_file(path, self.raw_folder)}
+
+
+def _unused_kind(rel: str) -> str:
+    """The kind of a file the scan did not read (see the module docstring)."""
+    folders, _, name = rel.rpartition("/")
+    parts = folders.split("/")
+    if "Annotations" in parts or name == _BOXES:
+        return "annotation files"
+    if "ImageSets" in parts or name == _BLACKLIST:
+        return "split lists"
+    return unused_kind(rel)
 
 
 def _match(

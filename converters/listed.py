@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from abc import abstractmethod
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -48,15 +48,20 @@ __all__ = [
     "Listed",
     "ListedSource",
     "Listing",
+    "count_unused",
     "data_lines",
     "failed",
     "find_base",
     "join",
     "read_list_file",
     "shown_line",
+    "unread_account",
+    "unused_kind",
 ]
 
 UNUSED_KINDS = ("images", "annotation files", "split lists", "masks", "other")
+"""The kinds a source counts what it did not read by (``source.unused``; every source's, not
+only the listed ones': cifar, mnist, imagenet, files, filenames and hf count by them too)."""
 _MAX_LIST_BYTES = 64 << 20  # Food-101's train.txt is 1.4 MB, CUB's images.txt 0.6 MB
 
 
@@ -106,6 +111,37 @@ class Listing:
     field_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
     class_ids: tuple[int | str, ...] | None = None
     description: dict[str, Any] = field(default_factory=dict)
+
+
+def unused_kind(rel: str) -> str:
+    """The kind an unread file is counted as when its layout knows it no better: ``images``
+    by its image suffix, else ``other``."""
+    return "images" if image_kind_of_name(rel) else "other"
+
+
+def count_unused(
+    paths: Iterable[str], kind_of: Callable[[str], str] = unused_kind
+) -> dict[str, int]:
+    """Each of `UNUSED_KINDS` → how many of `paths` (unread files, relative to the raw folder,
+    ``/``-separated) `kind_of` counts as it."""
+    counts = dict.fromkeys(UNUSED_KINDS, 0)
+    for rel in paths:
+        counts[kind_of(rel)] += 1
+    return counts
+
+
+def unread_account(
+    root: str,
+    read: set[str],
+    listings: Listings | None = None,
+    kind_of: Callable[[str], str] = unused_kind,
+) -> dict[str, Any]:
+    """A scan description's ``unused`` and skipped entries for a source that reads a few files
+    by name (`read`: their paths as joined onto `root`): every other regular file below `root`
+    (the rule of `dlpipe.converters.raw_tree`) counted by kind."""
+    tree = RawTree(root, listings)
+    unread = [relative_path(e.path, root) for e in tree.files(root) if e.path not in read]
+    return {"unused": count_unused(unread, kind_of), **tree.report()}
 
 
 def read_list_file(raw_folder: str, path: str, what: str = "the split lists") -> str:
@@ -178,7 +214,7 @@ class ListedSource(Source):
 
     def unused_kind(self, rel: str) -> str:
         """The kind an unread file is counted as (one of `UNUSED_KINDS`)."""
-        return "images" if image_kind_of_name(rel) else "other"
+        return unused_kind(rel)
 
     def annotations(self, extra: Any) -> dict[str, bytes]:
         """The annotation fields of a sample from its `Listed.extra`."""
@@ -203,9 +239,7 @@ class ListedSource(Source):
         rel = os.path.relpath(base, self.root).replace(os.sep, "/")
         listing = self.read_lists("" if rel == "." else rel, files)
         items, used = self._items(tree, files, listing.entries)
-        unused = dict.fromkeys(UNUSED_KINDS, 0)
-        for name in files.keys() - used - listing.read:
-            unused[self.unused_kind(name)] += 1
+        unused = count_unused(files.keys() - used - listing.read, self.unused_kind)
         description = {
             "kind": self.kind,
             "root": display_path(self.root),

@@ -16,6 +16,10 @@ Produces one sample per image: a lossless greyscale PNG and ``cls``, split ``tra
 ``test``, keyed ``mnist_train_000123`` (``fashion_mnist_...``) by the image's index. Classes are
 the digits ``0``..``9``, or the Fashion-MNIST names when ``fashion`` appears in the root's path
 (any case) or ``fashion=True`` is given.
+
+Every other file below ``root`` is not read and is counted in ``source.unused`` (images by
+their suffix, the rest as other): the ``.gz`` beside a plain file, torchvision's
+``processed/*.pt``, a README.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
+from dlpipe.converters.listed import unread_account
 from dlpipe.converters.raw_tree import Listings
 from dlpipe.converters.source import (
     Item,
@@ -147,7 +152,8 @@ class MnistSource(Source):
             root: the folder holding the IDX files (or their ``raw/`` folder).
             options: unused; MNIST has no columns to name.
             fashion: Fashion-MNIST class names; None decides from ``fashion`` in the path.
-            listings: unused; MNIST's files are looked up by name.
+            listings: folder listings detection made (the scan lists the root once more to
+                count what it does not read).
         """
         super().__init__(root, options, listings=listings)
         self.fashion = "fashion" in self.root.lower() if fashion is None else fashion
@@ -202,8 +208,22 @@ class MnistSource(Source):
                         origin=f"{images_path} image {index}",
                     )
                 )
-        description = {"kind": self.kind, "root": self.root, "dataset": name, "folder": folder}
+        read = {path for pair in files.values() for path in pair if path}
+        description = {
+            "kind": self.kind,
+            "root": display_path(self.root),
+            "dataset": name,
+            "folder": display_path(folder),
+            "layout": self._layout_text(folder, read),
+            **unread_account(self.root, read, self.take_listings()),
+        }
         return Scan(classes=classes, items=tuple(items), description=description)
+
+    def _layout_text(self, folder: str, read: set[str]) -> str:
+        where = "its top" if folder == self.root else f"{display_path(os.path.basename(folder))}/"
+        title = "Fashion-MNIST" if self.fashion else "MNIST"
+        names = ", ".join(sorted(display_path(os.path.basename(p)) for p in read))
+        return f"{where} holds {title}'s IDX files ({names})"
 
     @staticmethod
     def _split_arrays(

@@ -14,12 +14,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import error_records, one_error_line
+from conftest import error_records, one_error, one_error_line
 from PIL import Image, ImageDraw
 
 import dlpipe
 from dlpipe.cli import main
 from dlpipe.converters.sources import open_source
+from dlpipe.sample import unescape_key
 
 # the captions of the docs' example (hub docs, "Additional columns")
 POKEMON = {
@@ -555,3 +556,137 @@ def test_a_split_folder_beside_an_unsplit_metadata_file_is_refused(tmp_path: Pat
     assert convert(raw, tmp_path / "out") == 2
     line = one_error_line(capsys.readouterr().err)
     assert "extra/metadata.jsonl: names no split" in line
+
+
+# --- --key-col and --image-root ----------------------------------------------------------------
+
+
+def write_metadata(folder: Path, rows: list[dict], kind: str) -> None:
+    """``metadata.<kind>`` in `folder` holding `rows` (jsonl, csv or parquet)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "jsonl":
+        write_jsonl(folder / "metadata.jsonl", rows)
+    elif kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), folder / "metadata.parquet")
+    else:
+        columns = list(rows[0])
+        lines = [",".join(columns)] + [",".join(str(r[c]) for c in columns) for r in rows]
+        (folder / "metadata.csv").write_text("\n".join(lines) + "\n")
+
+
+def keyed(root: Path, ids: list, kind: str = "jsonl", split: str = "train") -> Path:
+    """`split`/ with one image per id and a metadata file whose ``id`` column holds `ids`."""
+    rows = []
+    for i, ident in enumerate(ids):
+        (root / split).mkdir(parents=True, exist_ok=True)
+        (root / split / f"{i}.png").write_bytes(image(500 + i + 10 * len(split)))
+        rows.append({"file_name": f"{i}.png", "id": ident, "text": f"image {i}"})
+    write_metadata(root / split, rows, kind)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("kind", "ids", "keys"),
+    [
+        ("jsonl", ["a/b", 7, 8.0], ["a/b", "7", "8"]),
+        ("csv", ["a/b", "x y", "c"], ["a/b", "x y", "c"]),
+        ("parquet", [10, 11, 12], ["10", "11", "12"]),
+    ],
+)
+def test_key_col_names_the_keys_in_every_metadata_format(
+    tmp_path: Path, kind: str, ids: list, keys: list[str]
+) -> None:
+    raw, out = keyed(tmp_path / "raw", ids, kind), tmp_path / "out"
+    assert convert(raw, out, "--key-col", "id") == 0
+    got = {unescape_key(k): s for k, s in read_split(out).items()}
+    assert sorted(got) == sorted(keys)
+    for i, key in enumerate(keys):
+        assert got[key]["png"] == (raw / "train" / f"{i}.png").read_bytes()
+        assert got[key]["txt"] == f"image {i}".encode()
+        assert "id" in json.loads(got[key]["json"])  # the key column is kept, as tables keep it
+    assert convert(raw, tmp_path / "default") == 0  # without --key-col: the file names
+    assert sorted(read_split(tmp_path / "default")) == ["0", "1", "2"]
+
+
+def test_key_col_too_long_for_a_key_is_shortened_and_listed(tmp_path: Path) -> None:
+    long_id = "sample-" + "z" * 300
+    raw, out = keyed(tmp_path / "raw", [long_id, "short"]), tmp_path / "out"
+    assert convert(raw, out, "--key-col", "id") == 0
+    records = [json.loads(x) for x in (out / "keys.jsonl").read_text().splitlines()]
+    assert [r["original"] for r in records] == [long_id]
+    assert set(read_split(out)) == {records[0]["key"], "short"}
+
+
+@pytest.mark.parametrize(
+    ("ids", "first", "again"),
+    [(["a", "b", "a"], 1, 3), ([7, 7.0], 1, 2), (["7", 7], 1, 2), (["a/b", "a/b"], 1, 2)],
+)
+def test_key_col_duplicates_in_a_split_are_one_error_line(
+    tmp_path: Path, capsys, ids: list, first: int, again: int
+) -> None:
+    raw, out = keyed(tmp_path / "raw", ids), tmp_path / "out"
+    assert convert(raw, out, "--key-col", "id") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"train/metadata.jsonl line {again}: key " in line
+    assert f"in column 'id' is a duplicate (first in train/metadata.jsonl line {first})" in line
+    assert "--key-col" in line and not out.exists()
+
+
+def test_key_col_equal_keys_in_two_splits_are_fine(tmp_path: Path) -> None:
+    raw, out = keyed(tmp_path / "raw", ["a", "b"]), tmp_path / "out"
+    keyed(raw, ["a", "b"], split="test")
+    assert convert(raw, out, "--key-col", "id") == 0
+    assert sorted(read_split(out)) == sorted(read_split(out, "test")) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(None, "None"), ("", "''"), (True, "True"), ([1], "[1]"), ({"a": 1}, "{'a': 1}"),
+     (float("nan"), "nan"), (float("inf"), "inf")],
+)  # fmt: skip
+def test_key_col_values_that_cannot_be_keys_are_one_error_line(
+    tmp_path: Path, capsys, value: object, shown: str
+) -> None:
+    raw, out = keyed(tmp_path / "raw", ["a", value, "c"]), tmp_path / "out"
+    assert convert(raw, out, "--key-col", "id") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"train/metadata.jsonl line 2: id {shown} cannot be a key" in line
+    assert "another column with --key-col" in line and not out.exists()
+
+
+def test_key_col_missing_from_a_row_or_the_file_is_one_error_line(tmp_path: Path, capsys) -> None:
+    raw, out = keyed(tmp_path / "raw", ["a", "b"]), tmp_path / "out"
+    write_jsonl(raw / "train" / "metadata.jsonl", [{"file_name": "0.png", "id": "a"},
+                                                   {"file_name": "1.png"}])  # fmt: skip
+    assert convert(raw, out, "--key-col", "id") == 2
+    assert "train/metadata.jsonl line 2: id None cannot be a key" in one_error(capsys)
+    assert convert(raw, out, "--key-col", "ID") == 2
+    line = one_error(capsys)
+    assert "train/metadata.jsonl: --key-col 'ID' is not a column" in line
+    assert line.endswith("the columns are file_name, id")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("given", ["train", ".", "absolute"])
+@pytest.mark.parametrize("source", [(), ("--source", "hf")], ids=["detected", "named"])
+def test_image_root_is_refused_in_one_line_as_hf_resolves_file_name_itself(
+    tmp_path: Path, capsys, given: str, source: tuple[str, ...]
+) -> None:
+    raw, out = captions(tmp_path / "raw"), tmp_path / "out"
+    root = str(raw / "train") if given == "absolute" else given
+    assert convert(raw, out, *source, "--image-root", root) == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: --image-root {root!r}: a Hugging Face image folder names")
+    assert "relative to its metadata file's folder" in line and "--source table" in line
+    assert not out.exists()
+
+
+def test_the_table_source_the_refusal_names_reads_an_image_root(tmp_path: Path) -> None:
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    (raw / "pics").mkdir(parents=True)
+    for name in POKEMON:
+        (raw / "pics" / name).write_bytes(image(len(name), kind="JPEG"))
+    write_jsonl(raw / "metadata.jsonl", [{"file_name": n, "text": t} for n, t in POKEMON.items()])
+    assert convert(raw, out, "--source", "table", "--image-root", "pics") == 0
+    manifest = dlpipe.read_manifest(str(out))
+    assert sum(s.samples for s in manifest.splits.values()) == len(POKEMON)
