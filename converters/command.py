@@ -7,12 +7,11 @@ import os
 from dataclasses import MISSING
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dlpipe import storage
-from dlpipe.cli import Interrupted
+from dlpipe.cli import Interrupted, shown
 from dlpipe.converters.config import option_specs, parse_size
 from dlpipe.converters.engine import (
     ERRORS_NAME,
@@ -53,12 +52,12 @@ def run_convert(args: argparse.Namespace, console: Console) -> int:
     config = ConvertConfig.from_options(**options)
     out = config.output()
     console.print(
-        f"dlpipe convert {escape(config.raw)} → {escape(out)} "
+        f"dlpipe convert {shown(config.raw)} → {shown(out)} "
         f"({config.to}, engine {config.engine.kind})"
     )
     if storage.on_system_disk(out):
         console.print(
-            f"[yellow]warning[/yellow]: {escape(out)} is on the system disk (the one holding /); "
+            f"[yellow]warning[/yellow]: {shown(out)} is on the system disk (the one holding /); "
             "put datasets on a data disk with --out or DLPIPE_DATA_DIR"
         )
     try:
@@ -100,10 +99,10 @@ def _convert_with_progress(config: ConvertConfig, console: Console) -> ConvertRe
 
 
 def _summary(result: ConvertResult, console: Console) -> None:
-    table = Table("split", "samples", "shards", "size", title=f"wrote {escape(result.out)}")
+    table = Table("split", "samples", "shards", "size", title=f"wrote {shown(result.out)}")
     for name, split in result.manifest.splits.items():
         table.add_row(
-            escape(name), str(split.samples), str(len(split.shards)), format_bytes(split.bytes)
+            shown(name), str(split.samples), str(len(split.shards)), format_bytes(split.bytes)
         )
     console.print(table)
     written = sum(s.samples for s in result.manifest.splits.values())
@@ -117,8 +116,8 @@ def _summary(result: ConvertResult, console: Console) -> None:
     if result.skipped:
         console.print(
             f"[yellow]skipped {len(result.skipped)} samples[/yellow] (listed in "
-            f"{escape(os.path.join(result.out, ERRORS_NAME))}), "
-            f"e.g. {escape(str(result.skipped[0]['error']))}"
+            f"{shown(os.path.join(result.out, ERRORS_NAME))}), "
+            f"e.g. {shown(str(result.skipped[0]['error']))}"
         )
     else:
         console.print("skipped 0 samples")

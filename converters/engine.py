@@ -303,6 +303,7 @@ def convert(
     start = time.perf_counter()
     planned = plan_conversion(config)
     resume = config.command("--resume")
+    created = storage.new_output_paths(planned.worker.out)  # removed if left unused (a refusal)
     try:
         with storage.output_lock(planned.worker.out):
             return _run(config, planned, start, on_start, on_progress)
@@ -316,6 +317,8 @@ def convert(
             f"shards are kept: free space there, then finish with `{resume}` (or choose "
             "another --out on a bigger disk)"
         ) from None
+    finally:
+        storage.remove_left_empty(created)
 
 
 def _config_of(

@@ -4,7 +4,9 @@
 ``metadata.csv`` or ``metadata.parquet`` (with its Hugging Face ``features``); `find_roles` tells
 which column is the image, a further image, the caption, the label, the objects and the rest;
 `resolve_path` turns a ``file_name`` cell into a path in the raw folder, never out of the
-metadata file's folder. The rules are stated in `dlpipe.converters.hf_folder`.
+metadata file's folder. The rules are stated in `dlpipe.converters.hf_folder`. A JSON line nested
+deeper than `MAX_DEPTH` arrays and objects is a `SourceError` naming its line (the rows are
+walked again to make samples; no hostile nesting reaches that).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dlpipe.converters.source import (
 __all__ = [
     "CAPTION_NAMES",
     "FILE_SUFFIX",
+    "MAX_DEPTH",
     "METADATA_NAMES",
     "NO_LABEL",
     "UNLABELLED",
@@ -53,6 +56,8 @@ NO_LABEL = "none"
 UNLABELLED = -1
 """The label Hugging Face gives a row without one."""
 _HEADER_BYTES = 64 << 10
+MAX_DEPTH = 64
+"""The deepest nesting of arrays and objects a metadata.jsonl line may have."""
 
 
 @dataclass
@@ -126,11 +131,19 @@ def _read_jsonl(path: str, name: str, folder: str) -> tuple[list[dict[str, Any]]
             continue
         try:
             row = json.loads(line)
-        except (ValueError, RecursionError) as exc:
+            deep = _nested_too_deep(row)
+        except RecursionError:
+            deep = True
+        except ValueError as exc:
             raise SourceError(
                 f"{name} line {number}: not JSON ({exc}); each line is one object such as "
                 '{"file_name": "0001.png", "text": "..."}: fix or remove the line'
             ) from None
+        if deep:
+            raise SourceError(
+                f"{name} line {number}: JSON nested deeper than {MAX_DEPTH} levels of arrays "
+                "and objects; fix or remove the line"
+            )
         if not isinstance(row, dict):
             raise SourceError(
                 f"{name} line {number}: a JSON {type(row).__name__}, not an object with a "
@@ -139,6 +152,20 @@ def _read_jsonl(path: str, name: str, folder: str) -> tuple[list[dict[str, Any]]
         rows.append(row)
         lines.append(number)
     return rows, lines
+
+
+def _nested_too_deep(value: Any) -> bool:
+    """Whether parsed JSON nests arrays and objects deeper than `MAX_DEPTH` (walked without
+    recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth == MAX_DEPTH:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _read_table(path: str, name: str, folder: str) -> tuple[pa.Table, dict[str, Any]]:
@@ -158,7 +185,7 @@ def _read_table(path: str, name: str, folder: str) -> tuple[pa.Table, dict[str, 
     try:
         info = json.loads((table.schema.metadata or {}).get(b"huggingface", b"{}"))
         features = info.get("info", {}).get("features", {})
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         features = {}
     return table, features if isinstance(features, dict) else {}
 
@@ -173,7 +200,12 @@ def read_metadata(path: str, root: str, folder: str) -> MetadataFile:
         meta.columns = list(dict.fromkeys(k for row in meta.rows for k in row))
     else:
         table, meta.features = _read_table(path, name, folder)
-        meta.rows, meta.columns = table.to_pylist(), list(table.column_names)
+        try:
+            meta.rows, meta.columns = table.to_pylist(), list(table.column_names)
+        except UnicodeDecodeError as exc:  # a Parquet text column (Arrow does not check)
+            raise SourceError(
+                f"{name}: holds text that is not UTF-8 ({exc}); write the file again as UTF-8"
+            ) from None
     if not meta.rows:
         raise SourceError(f"{name}: the metadata file has no rows; add rows or remove it")
     return meta

@@ -1,9 +1,13 @@
 """A bounded reader for the subset of MATLAB v5 (``save -v7``) files that dataset devkits use.
 
 Only what ILSVRC2012's ``meta.mat`` needs: top-level variables (plain or zlib-compressed), a
-struct array whose fields hold char arrays or numbers. Every length is checked against the bytes
-that are there, and the file and each decompressed variable are capped, so a crafted file is a
-`SourceError`, never a large allocation (scipy's ``loadmat`` allocates what a header claims).
+struct array whose fields hold char arrays or numbers (a field holding a struct or a cell is
+None: nothing is read recursively, so no nesting is too deep). Every length is checked against
+the bytes that are there, every dimension against MATLAB's limit (at most 8 of them, each below
+2**31), a struct's elements and fields against the bytes that must hold them, and what the
+file's compressed variables inflate to is capped in all, so a crafted file is one
+`SourceError` naming it, never an allocation larger than a small multiple of that cap (scipy's
+``loadmat`` allocates what a header claims).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ _MAT_NUMBERS = {1: "i1", 2: "u1", 3: "i2", 4: "u2", 5: "i4", 6: "u4", 7: "f4", 9
                 12: "i8", 13: "u8"}  # fmt: skip
 _MAT_TEXT = {16: "utf-8", 4: "utf-16", 17: "utf-16", 2: "latin-1", 1: "latin-1"}
 _MI_MATRIX, _MI_COMPRESSED, _MX_STRUCT, _MX_CHAR = 14, 15, 2, 4
+_MAX_DIMS, _MAX_DIM = 8, 2**31 - 1  # MATLAB's own limits on an array's shape
+_MAX_FIELDS = 4096  # a struct's field names (meta.mat's synsets has 8)
+_ELEMENT_BYTES = 8  # the smallest element: its tag
 
 
 class _Reader:
@@ -56,20 +63,27 @@ class _Reader:
             raise self.fail(f"{len(data)} bytes of type {kind} where numbers belong")
         return np.frombuffer(data, dtype=self.endian + code)
 
-    def matrix(self, body: bytes, top: bool) -> tuple[str, Any]:
-        """(name, value) of a miMATRIX: a struct (top level only) → rows, char → str, a number."""
+    def matrix(self, body: bytes, variable: str | None = None) -> tuple[str, Any]:
+        """(name, value) of a miMATRIX: the struct `variable` (top level only) → rows, char →
+        str, a number; None for anything else (another struct, a cell, a sparse array)."""
         if not body:
             return "", None
         kind, flags, pos = self.element(body, 0)
         kind_dims, dims_data, pos = self.element(body, pos)
         _, name, pos = self.element(body, pos)
         matlab_class = int(self.numbers(kind, flags)[:1].sum()) & 0xFF
+        if kind_dims not in (5, 6):
+            raise self.fail(f"array dimensions of type {kind_dims}, not 32-bit integers")
         dims = self.numbers(kind_dims, dims_data).tolist()
-        if kind_dims not in (5, 6) or len(dims) > 8 or min(dims, default=0) < 0:
-            raise self.fail(f"a matrix of dimensions {dims[:9]}")
-        count = math.prod(dims)
-        if matlab_class == _MX_STRUCT and top:
-            return name.decode("latin-1"), self.struct_rows(body, pos, count)
+        if not 0 < len(dims) <= _MAX_DIMS or not all(0 <= d <= _MAX_DIM for d in dims):
+            shown = ", ".join(map(str, dims[: _MAX_DIMS + 1]))
+            raise self.fail(
+                f"an array of dimensions [{shown}]; MATLAB allows at most {_MAX_DIMS}, "
+                f"each 0..{_MAX_DIM}"
+            )
+        text = name.decode("latin-1")
+        if matlab_class == _MX_STRUCT and variable is not None and text == variable:
+            return text, self.struct_rows(body, pos, math.prod(dims))
         if matlab_class == _MX_CHAR or 6 <= matlab_class <= 15:
             kind, data, _ = self.element(body, pos)
             if matlab_class == _MX_CHAR:
@@ -79,7 +93,7 @@ class _Reader:
                 return "", data.decode(codec or "?", "replace") if codec else None
             values = self.numbers(kind, data)
             return "", float(values[0]) if values.size else None
-        return "", None
+        return text, None
 
     def struct_rows(self, body: bytes, pos: int, count: int) -> list[tuple[Any, ...]]:
         kind, length_data, pos = self.element(body, pos)
@@ -87,10 +101,12 @@ class _Reader:
         length = int(self.numbers(kind, length_data)[:1].sum())
         if not 0 < length <= 64 or len(names) % length:
             raise self.fail(f"struct field names of {len(names)} bytes in {length}-byte slots")
+        if not 0 < len(names) // length <= _MAX_FIELDS:
+            raise self.fail(f"a struct of {len(names) // length} fields (1..{_MAX_FIELDS})")
+        if count * (len(names) // length) * _ELEMENT_BYTES > len(body) - pos:
+            raise self.fail(f"{count} struct elements cannot fit in {len(body) - pos} bytes")
         fields = [names[i : i + length].split(b"\0")[0].decode("latin-1")
                   for i in range(0, len(names), length)]  # fmt: skip
-        if count * len(fields) * 8 > len(body) - pos:
-            raise self.fail(f"{count} struct elements cannot fit in {len(body) - pos} bytes")
         wanted = [fields.index(f) if f in fields else -1 for f in self.fields]
         rows = []
         for _ in range(count):
@@ -99,7 +115,7 @@ class _Reader:
                 kind, value, pos = self.element(body, pos)
                 if kind != _MI_MATRIX:
                     raise self.fail(f"a struct field of type {kind}, expected a matrix")
-                values.append(self.matrix(value, top=False)[1])
+                values.append(self.matrix(value)[1])
             rows.append(tuple(values[i] if i >= 0 else None for i in wanted))
         return rows
 
@@ -111,26 +127,29 @@ def read_struct_rows(
     (None for a field the struct lacks); char arrays are str, numbers float.
 
     Raises:
-        SourceError: naming `shown`: not a MATLAB v5/v7 file, malformed, a variable that
-            decompresses past `max_bytes`, or no such struct.
+        SourceError: naming `shown`: not a MATLAB v5/v7 file, malformed (an element past the
+            end, dimensions over MATLAB's limits, a struct whose elements cannot fit in its
+            bytes), compressed variables that inflate past `max_bytes` in all, or no such
+            struct.
     """
     endian = {b"IM": "<", b"MI": ">"}.get(data[126:128], "")
     reader = _Reader(shown, endian, fields)
     if len(data) < 128 or not endian or data[124:126] not in (b"\x00\x01", b"\x01\x00"):
         raise reader.fail("no MATLAB 5 header; a v7.3 file must be re-saved with save -v7")
-    pos = 128
+    pos, budget = 128, max_bytes  # what every compressed variable may inflate to, in all
     while pos < len(data):
         kind, body, pos = reader.element(data, pos)
         if kind == _MI_COMPRESSED:
             try:
-                inflated = zlib.decompressobj().decompress(body, max_bytes + 1)
+                inflated = zlib.decompressobj().decompress(body, budget + 1)
             except zlib.error as exc:
                 raise reader.fail(f"damaged compressed data: {exc}") from exc
-            if len(inflated) > max_bytes:
-                raise reader.fail(f"a variable decompresses past {max_bytes >> 20} MiB")
+            if len(inflated) > budget:
+                raise reader.fail(f"what it holds decompresses past {max_bytes >> 20} MiB")
+            budget -= len(inflated)
             kind, body, _ = reader.element(inflated, 0)
         if kind == _MI_MATRIX:
-            name, rows = reader.matrix(body, top=True)
+            name, rows = reader.matrix(body, variable)
             if name == variable and isinstance(rows, list):
                 return rows
     raise reader.fail(f"no {variable!r} struct")

@@ -247,8 +247,14 @@ class Source(ABC):
 
 
 def display_path(path: str) -> str:
-    """`path` as printable, JSON-safe text: bytes that are not UTF-8 shown as ``\\xNN``; a
-    path in an unpacked view of archives as its archive member or raw file."""
+    """`path` as JSON-safe text: bytes that are not UTF-8 shown as ``\\xNN``; a path in an
+    unpacked view of archives as its archive member or raw file.
+
+    Other characters stay as they are, control characters too: the result is data as well as
+    message text (class names, the manifest's source account, ``keys.jsonl`` and
+    ``errors.jsonl`` keep the real names). A terminal never sees them raw: the CLI escapes
+    every line it prints (`dlpipe.cli.printable`: ``\\x1b``, ``\\u202e``, ...).
+    """
     path = _view_path_shown(path)
     try:
         return os.fsencode(path).decode("utf-8", "backslashreplace")

@@ -1,9 +1,10 @@
 """Flowers-102 and Stanford Cars: datasets whose split lists are MATLAB files.
 
 The ``.mat`` files are read with scipy (``pip install scipy``; torchvision needs it for these
-datasets too), after dlpipe's own bounds: at most 16 MiB on disk, every compressed variable
-at most 16 MiB inflated, and no array (at any depth of cells and structs) claiming more
-elements than it has bytes, so a crafted file is one `SourceError`, never a huge allocation.
+datasets too), after dlpipe's own bounds: at most 16 MiB on disk, the compressed variables
+at most 16 MiB inflated in all (scipy keeps every variable), and no array (at any depth of
+cells and structs) claiming more elements than it has bytes, so a crafted file is one
+`SourceError`, never a huge allocation.
 """
 
 from __future__ import annotations
@@ -65,18 +66,22 @@ def _check_bounds(data: bytes, shown: str) -> None:
     endian = {b"IM": "<", b"MI": ">"}.get(data[126:128])
     if len(data) < 128 or endian is None:
         raise SourceError(f"{shown}: no MATLAB 5 header (a v7.3 file must be saved with -v7)")
-    pos = 128
+    pos, budget = 128, _MAX_MAT_BYTES  # for all variables: scipy keeps every one of them
     while pos + 8 <= len(data):
         kind, size = struct.unpack_from(endian + "II", data, pos)
         body = data[pos + 8 : pos + 8 + size]
         pos += 8 + (size if kind == _MI_COMPRESSED else (size + 7) // 8 * 8)
         if kind == _MI_COMPRESSED:
             try:
-                body = zlib.decompressobj().decompress(body, _MAX_MAT_BYTES + 1)
+                body = zlib.decompressobj().decompress(body, budget + 1)
             except zlib.error as exc:
                 raise SourceError(f"{shown}: damaged compressed data ({exc}); restore it") from None
-            if len(body) > _MAX_MAT_BYTES:
-                raise SourceError(f"{shown}: a variable inflates past {_MAX_MAT_BYTES >> 20} MiB")
+            if len(body) > budget:
+                raise SourceError(
+                    f"{shown}: a variable inflates past {_MAX_MAT_BYTES >> 20} MiB (with the "
+                    "variables before it); restore the file"
+                )
+            budget -= len(body)
             if len(body) >= 8:
                 kind, size = struct.unpack_from(endian + "II", body)
                 body = body[8 : 8 + size]

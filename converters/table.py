@@ -99,7 +99,7 @@ from dlpipe.converters.table_names import (
     split_of_name,
     string_columns,
 )
-from dlpipe.converters.table_paths import label_table
+from dlpipe.converters.table_paths import label_table, path_problem, shown_cell
 from dlpipe.errors import InvalidKeyError
 from dlpipe.sample import make_key
 
@@ -259,15 +259,17 @@ def _check_found(scan: FileScan, image_root: str | None) -> None:
     row = missing[0]
     value = scan.images[row] or ""
     folders = ", ".join(display_path(f) for f in scan.searched)
+    problem = path_problem(value)
     hint = (
         "check --image-root"
         if image_root
         else "give the folder that holds the images with --image-root DIR"
     )
+    where = problem or f"looked for it in {folders}, also without its suffix"
     raise SourceError(
         f"{display_path(scan.name)}: {len(missing)} of the first {checked} image paths name no "
-        f"file (row {row}: {display_path(value)!r}, looked for it in {folders}, also without "
-        f"its suffix); {hint}, or fix the paths in column {scan.columns.image!r}"
+        f"file (row {row}: {shown_cell(value)!r}, {where}); {hint}, or fix the paths in column "
+        f"{scan.columns.image!r}"
     )
 
 
@@ -378,7 +380,9 @@ class TableSource(Source):
 
     def _item(self, scan: FileScan, row: int, keyed: _Keyed) -> Item:
         image = scan.images[row]
-        origin = f"{display_path(scan.name)} row {row}" + (f" ({image})" if image else "")
+        origin = f"{display_path(scan.name)} row {row}" + (
+            f" ({shown_cell(image)})" if image else ""
+        )
         key, original = keyed
         return Item(
             key=key,
@@ -397,8 +401,10 @@ class TableSource(Source):
         try:
             values, schema = read_row(path, row, self.string_columns(), self.raw_folder)
             cols = find_columns(schema, self.options, path)
-        except (OSError, IndexError, pa.ArrowException, SourceError) as exc:
-            raise SampleError(f"{item.origin}: the row cannot be read from {path} ({exc})") from exc
+        except (OSError, IndexError, pa.ArrowException, SourceError, UnicodeDecodeError) as exc:
+            raise SampleError(
+                f"{item.origin}: the row cannot be read from {display_path(path)} ({exc})"
+            ) from exc
         fields = {"image": self._image(values[cols.image], image_path, item)}
         if cols.extra:
             extra = {name: jsonable(values[name]) for name in cols.extra}
@@ -411,6 +417,12 @@ class TableSource(Source):
             value = value["bytes"] if value.get("bytes") is not None else value.get("path")
         if isinstance(value, (bytes, bytearray)):
             return bytes(value)
+        problem = path_problem(value) if isinstance(value, str) and value else None
+        if problem:
+            raise SampleError(
+                f"{item.origin}: the image path {problem}; fix the path in the table or drop "
+                "the row"
+            )
         if not value or path is None:
             raise SampleError(f"{item.origin}: the image cell is empty; fill it or drop the row")
         try:

@@ -7,7 +7,11 @@ process. The layout, split and column rules are stated in `dlpipe.converters.tab
 
 Table files are opened only as regular files inside the raw folder (`open_regular`: a FIFO or
 ``/dev/zero`` named ``data.csv`` is refused, never read); a table-named entry that is not one
-is a `SourceError` naming it, not a silently missing table.
+is a `SourceError` naming it, not a silently missing table. A JSON lines table nested deeper
+than `MAX_JSON_DEPTH` (which Arrow's reader would recurse into until the process crashes) or
+with a line over 1 MiB (which Arrow reads in one block), and a text column that is not UTF-8,
+are `SourceError`s naming the file and the line or column; an image path that can name
+no file (`path_problem`) is a skipped sample.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import bisect
 import functools
 import json
 import os
+import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
@@ -49,18 +55,24 @@ from dlpipe.converters.table_names import (
     string_columns,
 )
 from dlpipe.converters.table_paths import (
+    MAX_JSON_DEPTH,
     PROBE_ROWS,
     PathResolver,
     make_resolver,
+    path_problem,
     resolve_image_root,
 )
 from dlpipe.storage import is_inside
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "FileScan",
     "read_row",
     "scan_file",
 ]
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\\n]|\\.)*"')  # a JSON string on one line
+_JSON_BLOCK_BYTES = 1 << 20  # what Arrow's JSON reader parses at once: a line's longest
 
 
 def _open_table(path: str, folder: str) -> Any:
@@ -98,7 +110,8 @@ def _parse_table(
         if fmt == "parquet":
             return pq.read_table(f, columns=list(columns) if columns else None)
         if fmt == "jsonl":
-            return pa_json.read_json(f)
+            _check_json_lines(f, path)
+            return pa_json.read_json(f, pa_json.ReadOptions(block_size=_JSON_BLOCK_BYTES))
         return pa_csv.read_csv(
             f,
             parse_options=pa_csv.ParseOptions(delimiter="\t" if fmt == "tsv" else ","),
@@ -111,6 +124,49 @@ def _parse_table(
         raise SourceError(
             f"{display_path(path)}: cannot be read as {fmt} ({exc}); fix the file or remove it"
         ) from exc
+
+
+def _check_json_lines(f: Any, path: str) -> None:
+    """SourceError when a line of the JSON lines file `f` is longer than Arrow reads (a block)
+    or nests deeper than `MAX_JSON_DEPTH`; read a block at a time, `f` is left at its start."""
+    number, pending = 1, b""
+    while True:
+        block = f.read(_JSON_BLOCK_BYTES)
+        data = pending + block
+        cut = data.rfind(b"\n") + 1 if block else len(data)
+        if len(data) - cut > _JSON_BLOCK_BYTES:
+            long_line = number + data.count(b"\n", 0, cut)
+            raise SourceError(
+                f"{display_path(path)} line {long_line}: longer than "
+                f"{_JSON_BLOCK_BYTES >> 20} MiB; a JSON lines table holds one row per line "
+                "(store large values, such as images, in files it names)"
+            )
+        lines, pending = data[:cut], data[cut:]
+        deep = _deep_line(lines)
+        if deep is not None:
+            raise SourceError(
+                f"{display_path(path)} line {number + deep}: JSON nested deeper than "
+                f"{MAX_JSON_DEPTH} levels of arrays and objects; fix or remove the line"
+            )
+        number += lines.count(b"\n")
+        if not block:
+            break
+    f.seek(0)
+
+
+def _deep_line(lines: bytes) -> int | None:
+    """The index of the first of `lines` nested deeper than `MAX_JSON_DEPTH`, or None."""
+    text = np.frombuffer(_JSON_STRING.sub(b'""', lines), np.uint8)  # brackets outside strings
+    if not text.size:
+        return None
+    opens = (text == ord("[")) | (text == ord("{"))
+    step = opens.astype(np.int32) - ((text == ord("]")) | (text == ord("}")))
+    depth = np.cumsum(step, dtype=np.int32)
+    newline = text == ord("\n")
+    line = np.cumsum(newline)  # the line each byte is on (a newline opens the next)
+    start_depth = np.concatenate(([0], depth[newline]))  # each line counts from its own start
+    over = np.flatnonzero(depth - start_depth[line] > MAX_JSON_DEPTH)
+    return int(line[over[0]]) if over.size else None
 
 
 def _is_parquet(path: str) -> bool:
@@ -204,11 +260,24 @@ def _hf_class_names(schema: pa.Schema, label: str | None) -> tuple[str, ...] | N
         return None
     try:
         feature = json.loads(raw)["info"]["features"][label]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
     if isinstance(feature, dict) and feature.get("_type") == "ClassLabel":
         return tuple(str(n) for n in feature.get("names") or ()) or None
     return None
+
+
+def _check_text(table: pa.Table, name: str) -> None:
+    """SourceError naming the column when a text column holds bytes that are not UTF-8 (Arrow's
+    Parquet and JSON readers pass them on; its CSV reader refuses them itself)."""
+    for column in table.column_names:
+        try:
+            table.column(column).validate(full=True)
+        except pa.ArrowInvalid as exc:
+            raise SourceError(
+                f"{name}: column {column!r} holds text that is not UTF-8 ({exc}); write it "
+                "again as UTF-8 (or pick other columns with --image-col/--label-col/--key-col)"
+            ) from None
 
 
 def _row_splits(table: pa.Table, cols: Columns, scan: FileScan) -> list[str | None]:
@@ -249,7 +318,7 @@ def _path_size(path: str, folders: tuple[str, ...]) -> int:
         return 0
     try:
         info = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte
         return 0
     return info.st_size if stat.S_ISREG(info.st_mode) else 0
 
@@ -282,7 +351,10 @@ def _add_image_facts(
                 scan.images.append(None)
                 scan.resolved.append(None)
                 continue
-            full, found = resolver.resolve(path) if path else ("", True)
+            if path and path_problem(path):  # named by the sample's error at load
+                full, found = "", False
+            else:
+                full, found = resolver.resolve(path) if path else ("", True)
             if not found:
                 scan.missing.append(len(scan.resolved))
             scan.resolved.append(full or None)
@@ -310,6 +382,7 @@ def scan_file(path: str, root: str, options: SourceOptions) -> FileScan:
         table = _read_table(path, folder, strings=string_columns(options))
         schema = table.schema
         cols = find_columns(schema, options, name)
+    _check_text(table, name)
     if table.num_rows == 0:
         raise SourceError(f"{name}: the table has no rows; add rows or remove the file")
     scan = FileScan(path, name, cols, class_names=_hf_class_names(schema, cols.label))

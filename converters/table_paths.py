@@ -9,12 +9,18 @@ chosen is logged and recorded in the scan description. A path without an image s
 ``id`` column) names the one image file whose name is the path plus an image suffix (``.jpg``,
 ``.png``, ...); when none or several match, the path is missing.
 
+A path cell that can name no file (a NUL byte, text that is not valid Unicode, over 4096 bytes:
+`path_problem`) is never looked up: its row is a skipped sample naming the problem, as a missing
+file is. Control characters, ``..`` and absolute paths are legal names: they are looked up, and
+read only when the file lies inside the raw folder (`dlpipe.converters.table`).
+
 `label_table` tells detection whether a folder's root holds exactly one table whose header has
 an image-path column and a label column (beside it, only tables that name splits, such as
 Kaggle's unlabelled ``test.csv``; a submission template, ``sample_submission.csv`` or
 ``sampleSubmission.csv`` in any spelling (`is_submission`), is ignored): such a folder is a
 ``table`` layout even with class or image folders beside the table. Headers are read from
-regular files inside the folder only, at most 64 KiB of each.
+regular files inside the folder only, at most 64 KiB of each; a JSON lines header nested
+past what Python parses is a `SourceError` naming the file.
 """
 
 from __future__ import annotations
@@ -40,11 +46,49 @@ from dlpipe.converters.source import (
 from dlpipe.converters.table_names import is_submission, split_of_name
 from dlpipe.storage import is_inside
 
-__all__ = ["PROBE_ROWS", "PathResolver", "label_table", "make_resolver", "resolve_image_root"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "MAX_PATH_BYTES",
+    "PROBE_ROWS",
+    "PathResolver",
+    "label_table",
+    "make_resolver",
+    "path_problem",
+    "resolve_image_root",
+    "shown_cell",
+]
 
 PROBE_ROWS = 20
 """How many of a table's first image paths choose its image root."""
+MAX_PATH_BYTES = 4096
+"""The longest path a table may name (Linux's PATH_MAX)."""
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a JSON lines table may have."""
 _HEADER_BYTES = 64 << 10
+_SHOWN_CHARS = 200
+
+
+def path_problem(value: str) -> str | None:
+    """Why an image path cell can name no file (None when it can): a NUL byte, text that is
+    not valid Unicode (a lone surrogate), or more than `MAX_PATH_BYTES` bytes."""
+    if "\0" in value:
+        return "holds a NUL byte, which no file name can"
+    try:
+        size = len(os.fsencode(value))
+    except UnicodeEncodeError:
+        return "holds text that is not valid Unicode (a lone surrogate)"
+    if size > MAX_PATH_BYTES:
+        return f"is {size} bytes long, over the {MAX_PATH_BYTES}-byte limit of a path"
+    return None
+
+
+def shown_cell(value: str) -> str:
+    """A table cell as printable, JSON-safe text (`display_path`), cut to its first 200
+    characters (a 10 MB cell would otherwise fill every message about its row)."""
+    text = display_path(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def _has_image_suffix(path: str) -> bool:
@@ -57,7 +101,7 @@ def _image_stems(folder: str) -> dict[str, tuple[str, ...]]:
     stems: dict[str, list[str]] = {}
     try:
         names = os.listdir(folder)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte (`path_problem` keeps those out)
         return {}
     for name in names:
         if not is_ignored_name(name) and _has_image_suffix(name):
@@ -144,7 +188,8 @@ def make_resolver(
     folder = os.path.dirname(table)
     if image_root is not None:
         return PathResolver(folder, image_root), None
-    probe = [v for v in values if v and not os.path.isabs(v)][:PROBE_ROWS]
+    probe = [v for v in values if v and not os.path.isabs(v) and not path_problem(v)]
+    probe = probe[:PROBE_ROWS]
     plain = PathResolver(folder, None)
     if not probe or any(plain.find(v) for v in probe):
         return plain, None
@@ -179,8 +224,13 @@ def _header_names(path: str, raw_folder: str) -> list[str]:
     if path.lower().endswith((".jsonl", ".ndjson")):
         try:
             row = json.loads(head[0])
-        except ValueError:
+        except ValueError:  # the scan names the problem with its line
             return []
+        except RecursionError:
+            raise SourceError(
+                f"{display_path(path)} line 1: JSON nested deeper than {MAX_JSON_DEPTH} levels "
+                "of arrays and objects; fix or remove the line"
+            ) from None
         return [str(k) for k in row] if isinstance(row, dict) else []
     delimiter = "\t" if path.lower().endswith(".tsv") else ","
     return [name.strip().strip('"') for name in head[0].split(delimiter)]

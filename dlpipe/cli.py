@@ -5,7 +5,12 @@ flag value too: the parser prints one line, not a usage block); a check that fin
 (``verify``) exits 1; Ctrl-C exits 130 with one ``interrupted`` line. Warnings logged on the
 ``dlpipe`` logger while a command runs are printed as ``warning:`` lines on stderr. Text that
 came from a user or a dataset (paths, class, split and field names, error messages) is printed
-escaped, never read as rich markup.
+escaped, never read as rich markup, and with no terminal control character in it (`printable`:
+an ESC that would clear the screen or retitle the window, a CR or backspace that would overwrite
+an earlier line, a bidi override that would reorder it are shown as ``\\x1b``, ``\\u202e``...):
+every ``error:``/``warning:`` line is escaped where it is printed, and so is everything the
+commands print through their rich `Console` (`TerminalConsole`). What dlpipe writes to files
+(the manifest, ``errors.jsonl``) keeps the names as they are: they are data.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import unicodedata
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NoReturn
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderableType
 from rich.markup import escape
+from rich.segment import Segment
 
 from dlpipe._version import __version__
 from dlpipe.errors import DlpipeError
@@ -27,15 +34,72 @@ from dlpipe.errors import DlpipeError
 __all__ = [
     "ArgumentParser",
     "Interrupted",
+    "TerminalConsole",
     "int_in_range",
     "main",
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "printable",
+    "shown",
 ]
 
 Handler = Callable[[argparse.Namespace, Console], int]
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
+
+
+_JOINERS = frozenset("\u200c\u200d")  # format characters that emoji and scripts need
+
+
+def _is_control(char: str) -> bool:
+    """C0/C1 controls and DEL (Cc), lone surrogates (Cs), line and paragraph separators and
+    invisible format characters such as the bidi overrides (Cf, but the joiners)."""
+    kind = unicodedata.category(char)
+    return kind in ("Cc", "Cs", "Zl", "Zp") or (kind == "Cf" and char not in _JOINERS)
+
+
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(char: str) -> str:
+    if char in _SHORT:
+        return _SHORT[char]
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape): as display_path
+        return f"\\x{code - 0xDC00:02x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def printable(text: str, *, keep: str = "") -> str:
+    """`text` with every terminal control character escaped as Python writes it (``\\x1b``,
+    ``\\x9b``, ``\\u202e``; a byte that was not UTF-8 as ``\\xNN``), for printing names that
+    came from a user or a dataset. Characters in `keep` (``"\\n"`` for a block of lines) stay;
+    backslashes are not escaped, so text escaped once prints the same escaped again."""
+    if text.isprintable():
+        return text
+    return "".join(_escaped(c) if c not in keep and _is_control(c) else c for c in text)
+
+
+def shown(value: object) -> str:
+    """User or dataset text for a rich markup string: `printable`, and never read as markup."""
+    return escape(printable(str(value)))
+
+
+class TerminalConsole(Console):
+    """A rich `Console` that writes no control character it was not asked to: the text of
+    everything it renders is `printable` (line breaks kept), whatever the caller escaped;
+    rich's own styles and cursor moves are not text, and pass."""
+
+    def render(
+        self, renderable: RenderableType, options: ConsoleOptions | None = None
+    ) -> Iterable[Segment]:
+        for segment in super().render(renderable, options):
+            if segment.control or segment.text.isprintable():
+                yield segment
+            else:
+                yield Segment(printable(segment.text, keep="\n"), segment.style)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -50,7 +114,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        print(f"error: {message}; see {self.prog} --help", file=sys.stderr)
+        print(printable(f"error: {message}; see {self.prog} --help"), file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -166,11 +230,11 @@ def _verify(args: argparse.Namespace, console: Console) -> int:
 
     report = verify_dataset(args.data, decode=args.decode)
     for problem in report.problems:
-        console.print(f"[red]problem[/red] {escape(str(problem))}")
+        console.print(f"[red]problem[/red] {shown(problem)}")
     what = f"{report.shards_checked} shards" + (
         f", {report.samples_decoded} samples decoded" if args.decode else ""
     )
-    data = escape(args.data)
+    data = shown(args.data)
     if report.ok:
         console.print(f"ok: {data}: {what}, every sha256 and sample count matches the manifest")
         return 0
@@ -219,7 +283,8 @@ def build_parser() -> ArgumentParser:
 
 
 class _WarningLines(logging.Handler):
-    """``dlpipe`` logger warnings as ``warning: <message>`` lines on the current stderr."""
+    """``dlpipe`` logger warnings as ``warning: <message>`` lines on the current stderr, one
+    line each (`printable`)."""
 
     def __init__(self) -> None:
         super().__init__(level=logging.WARNING)
@@ -230,7 +295,7 @@ class _WarningLines(logging.Handler):
         except Exception:  # a malformed log call must not end the command
             text = str(record.msg)
         level = "warning" if record.levelno < logging.ERROR else "error"
-        print(f"{level}: {text}", file=sys.stderr)
+        print(f"{level}: {printable(text)}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -248,14 +313,14 @@ def _run(handler: Handler, args: argparse.Namespace, console: Console) -> int:
         return handler(args, console)
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, not a traceback
         line = exc.args[0] if isinstance(exc, Interrupted) and exc.args else "interrupted"
-        print(line, file=sys.stderr)
+        print(printable(str(line)), file=sys.stderr)
         return EXIT_INTERRUPTED
     except (DlpipeError, KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {printable(str(message))}", file=sys.stderr)
         return 2
     except OSError as exc:  # disk full, permissions, a vanished file: the OS names it
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return 2
 
 
@@ -273,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     args.argv = argv  # a handler that re-launches itself (train --nproc-per-node) repeats it
-    console = Console(highlight=False, soft_wrap=True)
+    console = TerminalConsole(highlight=False, soft_wrap=True)
     with _warnings_printed():
         return _run(args.handler, args, console)
 

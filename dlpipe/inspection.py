@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from dlpipe.cli import shown
 from dlpipe.formats.writer import DUPLICATES_NAME
 from dlpipe.manifest import read_manifest
 
@@ -114,8 +114,9 @@ def _count(counts: Any, label: int) -> str:
 
 
 def _text(value: Any) -> str:
-    """Dataset text (paths, names) as literal text, never rich markup."""
-    return escape(str(value))
+    """Dataset text (paths, names) as literal text: never rich markup, no control character
+    (`dlpipe.cli.shown`; the manifest keeps the names as they are)."""
+    return shown(value)
 
 
 def source_lines(account: Any) -> list[str]:

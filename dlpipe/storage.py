@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
 from dlpipe.errors import DlpipeError
@@ -36,6 +36,7 @@ __all__ = [
     "listdir",
     "local_path",
     "makedirs",
+    "new_output_paths",
     "on_system_disk",
     "open_read",
     "open_regular",
@@ -43,6 +44,7 @@ __all__ = [
     "publish_file",
     "read_bytes",
     "remove",
+    "remove_left_empty",
     "require_free_space",
     "size",
     "staging_dir",
@@ -183,6 +185,40 @@ def makedirs(path: str) -> None:
         os.makedirs(local_path(path), exist_ok=True)
 
 
+def new_output_paths(out: str) -> list[str]:
+    """What `output_lock` will create for a local `out` that is not there yet: its lock file
+    and each missing folder, deepest first ([] for a URL; only the lock file for an existing
+    folder without one)."""
+    if is_url(out):
+        return []
+    folder = os.path.abspath(local_path(out))
+    lock = os.path.join(folder, LOCK_NAME)
+    paths, probe = ([] if os.path.lexists(lock) else [lock]), folder
+    while not os.path.lexists(probe):
+        paths.append(probe)
+        probe = os.path.dirname(probe)
+    return paths
+
+
+def remove_left_empty(paths: Sequence[str]) -> None:
+    """Remove what a run created (`new_output_paths`, taken before the run) and left unused:
+    the lock file when it is empty and alone in its folder, then each folder that is empty, in
+    order. A refusal before anything was written leaves nothing it created; anything else in
+    a folder keeps it, and everything after it in `paths` (its parents)."""
+    for path in paths:
+        try:
+            if os.path.basename(path) == LOCK_NAME:
+                info = os.lstat(path)
+                alone = os.listdir(os.path.dirname(path)) == [LOCK_NAME]
+                if not (alone and stat.S_ISREG(info.st_mode) and info.st_size == 0):
+                    return  # data beside it, or held by another writer (its pid inside)
+                os.remove(path)
+            else:
+                os.rmdir(path)
+        except OSError:  # not empty, or gone: keep it and its parents
+            return
+
+
 def read_bytes(path: str) -> bytes:
     """The whole file; `FileNotFoundError` when it is not there."""
     if is_url(path):
@@ -296,17 +332,23 @@ def atomic_write_bytes(dest: str, data: bytes, *, durable: bool = True) -> None:
             os.replace(tmp_path, local_path(dest))
 
 
+_LINE_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def atomic_write_jsonl(dest: str, records: list[dict[str, Any]]) -> None:
     """Write one JSON object per line to `dest`, atomically (see `atomic_write_bytes`).
 
     Lines are UTF-8; a record holding text that is not valid Unicode (a non-UTF-8 file name
     decoded with surrogate escapes) is written with ASCII escapes instead, so the file always
-    parses.
+    parses. The characters besides ``\\n`` that ``str.splitlines`` breaks lines at (NEL,
+    U+2028, U+2029; JSON leaves them raw in strings) are written escaped, so a line is a line
+    to every reader.
     """
     lines = []
     for record in records:
+        text = json.dumps(record, sort_keys=True, ensure_ascii=False)
         try:
-            lines.append(json.dumps(record, sort_keys=True, ensure_ascii=False).encode())
+            lines.append(text.translate(_LINE_BREAKS).encode())
         except UnicodeEncodeError:
             lines.append(json.dumps(record, sort_keys=True).encode())
     atomic_write_bytes(dest, b"".join(line + b"\n" for line in lines))
