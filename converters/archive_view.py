@@ -60,12 +60,14 @@ _MAX_EXAMPLES = 20
 
 
 def _views_root() -> str:
-    return _real_views_root(storage.user_cache(_VIEWS))
+    """The real path of the views' folder (every raw read asks: two lookups, then cached)."""
+    return _real_views_root(os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
 
 
-@functools.lru_cache(maxsize=2)
-def _real_views_root(path: str) -> str:
-    return os.path.realpath(path)  # the sources' walks build their paths from real paths
+@functools.lru_cache(maxsize=4)
+def _real_views_root(cache: str | None, home: str | None) -> str:
+    del cache, home  # the cache's key: user_cache reads them
+    return os.path.realpath(storage.user_cache(_VIEWS))  # walks build paths from real paths
 
 
 @dataclass(frozen=True)
@@ -403,7 +405,7 @@ def target_of(path: str) -> Target | None:
     Raises:
         SampleError: `path` lies in a view but is no file of it.
     """
-    found = _split(os.path.abspath(path))
+    found = _split(path if path.startswith(os.sep) else os.path.abspath(path))
     if found is None:
         return None
     view, rel = found

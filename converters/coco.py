@@ -150,6 +150,7 @@ def _inside(root: str, path: str) -> None:
 
 class CocoSource(Source):
     kind = "coco"
+    options_read = frozenset({"instance_masks"})
 
     @classmethod
     def detect(cls, root: str, listings: Listings | None = None) -> bool:

@@ -190,6 +190,7 @@ class FilenamesSource(Source):
     """Images labelled by their file names (see the module docstring)."""
 
     kind = "filenames"
+    options_read = frozenset({"label_from"})
 
     @classmethod
     def detect(cls, root: str, listings: Listings | None = None) -> bool:

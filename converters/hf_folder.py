@@ -106,6 +106,7 @@ class HfFolderSource(Source):
     """Hugging Face ImageFolder with metadata files (see the module docstring)."""
 
     kind = "hf"
+    options_read = frozenset({"label_col", "key_col", "image_root"})  # image_root: refused
 
     @classmethod
     def detect(cls, root: str, listings: Listings | None = None) -> bool:

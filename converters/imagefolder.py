@@ -77,6 +77,7 @@ def split_tops(tree: RawTree, root: str) -> dict[str | None, list[RawEntry]]:
 
 class ImageFolderSource(Source):
     kind = "imagefolder"
+    options_read = frozenset({"keep_empty_classes"})
 
     @classmethod
     def detect(cls, root: str, listings: Listings | None = None) -> bool:

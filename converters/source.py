@@ -201,6 +201,9 @@ class Source(ABC):
     """A raw dataset layout. Subclasses set `kind` and implement detect, scan and load."""
 
     kind: ClassVar[str]
+    options_read: ClassVar[frozenset[str]] = frozenset()
+    """The `SourceOptions` fields this layout reads; any other one given is refused, never
+    ignored (`dlpipe.converters.sources.refuse_unread_options`)."""
 
     def __init__(
         self,
@@ -331,6 +334,10 @@ def open_regular(path: str, folder: str | None = None) -> IO[bytes]:
         return placeholder.open()
     if storage.is_url(path):
         return _open_url(path)
+    return _open_local(path, folder)
+
+
+def _open_local(path: str, folder: str | None) -> IO[bytes]:
     target = path
     if folder is not None:
         target = os.path.realpath(path)
@@ -369,7 +376,7 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
     if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)
         _check_size(path, placeholder.size, max_bytes)
         return placeholder.read()
-    with open_regular(path, folder) as f:
+    with _open_url(path) if storage.is_url(path) else _open_local(path, folder) as f:
         size = file_stamp(f)[0]
         _check_size(path, size, max_bytes)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -18,7 +19,7 @@ from dlpipe.converters.source import (
     log,
 )
 
-__all__ = ["SOURCE_KINDS", "open_source", "why_detected"]
+__all__ = ["SOURCE_KINDS", "open_source", "refuse_unread_options", "why_detected"]
 
 # kind -> "module:Class"; the most specific layouts first, the loosest (class folders) last
 SOURCE_KINDS = {
@@ -178,7 +179,39 @@ def _url_source(root: str, kind: str, options: SourceOptions | None) -> Source:
             "test/ folders); from a URL dlpipe reads only those: download other raw data and "
             "convert the folder"
         )
+    refuse_unread_options(source, root, options)
     return source(root, options)
+
+
+# what each option is for, in the refusal of an option the chosen layout does not read
+_OPTION_USE = {
+    "image_col": "names a table's image column (--source table)",
+    "label_col": "names a table's or metadata file's label column (--source table or hf)",
+    "image_root": "says where a table's image paths are looked up (--source table)",
+    "key_col": "names a table's or metadata file's key column (--source table or hf)",
+    "keep_empty_classes": "keeps empty class folders (--source imagefolder)",
+    "label_from": "reads labels from file names (--source filenames)",
+    "instance_masks": "converts COCO's segmentations (--source coco)",
+}
+
+
+def refuse_unread_options(cls: type[Source], root: str, options: SourceOptions | None) -> None:
+    """A `SourceError` for an option given that the layout `cls` does not read: an option
+    ignored would make another dataset than the one asked for, without a word."""
+    if options is None:
+        return
+    given = [
+        f.name
+        for f in dataclasses.fields(options)
+        if getattr(options, f.name) != f.default and f.name not in cls.options_read
+    ]
+    if given:
+        name = given[0]
+        flag = "--" + name.replace("_", "-")
+        raise SourceError(
+            f"{display_path(root)} reads as {cls.kind}, which does not read {flag} (it "
+            f"{_OPTION_USE[name]}); drop {flag}, or name the layout that reads it with --source"
+        )
 
 
 def open_source(root: str, kind: str = "auto", options: SourceOptions | None = None) -> Source:
@@ -205,18 +238,14 @@ def open_source(root: str, kind: str = "auto", options: SourceOptions | None = N
             raise SourceError(
                 f"--source {kind!r} is unknown; choose from {', '.join(SOURCE_KINDS)}"
             )
+        refuse_unread_options(_source_class(kind), root, options)
         return _source_class(kind)(root, options)
     listings = Listings()  # what detection lists, the scan reuses: each folder listed once
     absolute = os.path.abspath(root)
     for name in SOURCE_KINDS:
         cls = _source_class(name)
         if cls.detect(absolute, listings):
-            if options is not None and options.instance_masks and name != "coco":
-                raise SourceError(
-                    f"{display_path(root)} reads as {name}, but --instance-masks converts "
-                    "COCO's segmentations, which only the coco source reads; drop "
-                    "--instance-masks, or give the folder of a COCO dataset"
-                )
+            refuse_unread_options(cls, root, options)
             if name == "imagefolder":  # the loosest reading: refuse a dataset's structure
                 refuse_structure(root, listings)
             _warn_if_ambiguous(root, name, listings)

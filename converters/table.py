@@ -304,6 +304,7 @@ class TableSource(Source):
     """Samples from the rows of CSV/TSV/JSONL/Parquet tables (see the module docstring)."""
 
     kind = "table"
+    options_read = frozenset({"image_col", "label_col", "image_root", "key_col"})
 
     @classmethod
     def detect(cls, root: str, listings: Listings | None = None) -> bool:
