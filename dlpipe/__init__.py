@@ -29,6 +29,7 @@ from dlpipe.errors import (
 )
 from dlpipe.formats import (
     FORMATS,
+    SampleCountError,
     ShardDiskFullError,
     UnsafeShardError,
     get_format,
@@ -96,6 +97,7 @@ __all__ = [
     "ProfileError",
     "ProfileSaveError",
     "Sample",
+    "SampleCountError",
     "ShardCorruptError",
     "ShardCountError",
     "ShardDiskFullError",

@@ -49,10 +49,12 @@ from dlpipe.unfinished import missing_message
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_BASE_VALUES",
     "MAX_JSON_DEPTH",
     "MAX_MANIFEST_BYTES",
     "PROFILES_NAME",
     "SCHEMA_VERSION",
+    "VALUES_PER_SHARD",
     "Manifest",
     "ShardInfo",
     "SplitInfo",
@@ -68,6 +70,15 @@ SCHEMA_NAME = "dlpipe.manifest"
 SCHEMA_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest of 10,000 shards is about 2 MB
 MAX_JSON_DEPTH = 32  # dlpipe writes 5 levels; options and source are small free-form objects
+# A JSON value costs Python 8 to 64 bytes however few bytes it takes in the file ("1," is two):
+# 10**8 integers in 200 MB parsed into 8 GB. Before parsing, the values a manifest may hold are
+# bounded by its shards: a shard entry is 5 (counted as below), each with a "sha256" of 64 hex
+# digits, and any manifest may hold MAX_BASE_VALUES more (class names and per-split class
+# counts: a million classes on three splits). The parse then needs at most a few hundred MB
+# plus a small multiple of the file (each shard's room costs the file a digest's bytes).
+MAX_BASE_VALUES = 1 << 22
+VALUES_PER_SHARD = 8
+_SHARD_DIGEST_RE = re.compile(rb'"sha256"\s*:\s*"[0-9a-f]{64}"')
 _INT64_MAX = 2**63 - 1
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SHARD_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
@@ -248,7 +259,26 @@ def _too_large(path: str) -> ManifestError:
     return _refused(path, f" is {size} (one of 10,000 shards is about 2 MB)")
 
 
+def _check_value_count(raw: bytes, path: str) -> None:
+    """Refuse, unparsed, more JSON values than a manifest of its shards can hold.
+
+    Values are counted from above by their separators (every comma, bracket and brace, those in
+    strings too); shards from above by their ``"sha256": "<64 hex digits>"`` pairs, so the room
+    a shard buys costs the file a digest's bytes."""
+    values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+    shards = sum(1 for _ in _SHARD_DIGEST_RE.finditer(raw))
+    most = MAX_BASE_VALUES + VALUES_PER_SHARD * shards
+    if values > most:
+        raise _refused(
+            path,
+            f" holds about {values:,} JSON values (commas and brackets), more than a manifest of "
+            f"{shards:,} shards can ({most:,}: {MAX_BASE_VALUES:,} plus {VALUES_PER_SHARD} a "
+            "shard); it was not parsed",
+        )
+
+
 def _load_json(raw: bytes, path: str) -> Any:
+    _check_value_count(raw, path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -277,14 +307,16 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _check_depth(data: Any) -> None:
     """Refuse JSON nested deeper than `MAX_JSON_DEPTH` (printing or dumping it would recurse)."""
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        _require(depth <= MAX_JSON_DEPTH, f"it is nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value)
+    level: list[Any] = [data]  # the containers at one depth: scalars cost no memory here
+    for _ in range(MAX_JSON_DEPTH):
+        below: list[Any] = []
+        for value in level:
+            items = value.values() if isinstance(value, dict) else value
+            below.extend(v for v in items if isinstance(v, (dict, list)))
+        if not below:
+            return
+        level = below
+    _require(False, f"it is nested deeper than {MAX_JSON_DEPTH} levels")
 
 
 def _describe(exc: Exception) -> str:

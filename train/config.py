@@ -24,8 +24,10 @@ from typing import Any
 
 import tomli_w
 
+from dlpipe import storage
 from dlpipe.errors import DlpipeError
 from dlpipe.loading.config import DECODE_DEVICES, ENGINES
+from dlpipe.machine import worker_limit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,6 +50,18 @@ __all__ = [
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 MAX_IMAGE_SIZE = 4096  # a crop side past this is a typo, and would allocate gigabytes a batch
+# The range of every other number (README, "Security and failure model"): past these a value
+# is a typo or an attack, and overflows a float32 step, a timedelta or a schedule (lr = 1e308,
+# warmup_epochs = 1e308) long before it trains anything.
+MAX_EPOCHS = 100_000  # also warmup_epochs and early_stop_patience
+MAX_BATCH_SIZE = 1 << 20  # also micro_batch
+MAX_STEPS = 10**12  # max_steps and every "every N steps" or "N steps" count
+MAX_KEEP_LAST = 1000
+MAX_LR = 100.0
+MAX_WEIGHT_DECAY = 10.0
+CLIP_GRAD_RANGE = (1e-6, 1e6)
+DIST_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # one second to one week
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 MODEL_NAME = re.compile(rf"^({_DOTTED}|{_DOTTED}:[A-Za-z_][A-Za-z0-9_]*)$")
 
@@ -164,23 +178,40 @@ class TrainConfig:
 
     def _validate_counts(self) -> None:
         d, _, _, r = self.parts()
-        for name, value in (
-            ("data.image_size", d.image_size),
-            ("run.epochs", r.epochs),
-            ("run.batch_size", r.batch_size),
-            ("run.micro_batch", r.micro_batch),
-            ("run.max_steps", r.max_steps),
-            ("run.early_stop_patience", r.early_stop_patience),
-            ("run.keep_last", r.keep_last),
-            ("run.log_every_steps", r.log_every_steps),
-            ("run.max_nonfinite_steps", r.max_nonfinite_steps),
+        for name, value, most in (
+            ("data.image_size", d.image_size, None),  # its own message below
+            ("run.epochs", r.epochs, MAX_EPOCHS),
+            ("run.batch_size", r.batch_size, MAX_BATCH_SIZE),
+            ("run.micro_batch", r.micro_batch, MAX_BATCH_SIZE),
+            ("run.max_steps", r.max_steps, MAX_STEPS),
+            ("run.early_stop_patience", r.early_stop_patience, MAX_EPOCHS),
+            ("run.keep_last", r.keep_last, MAX_KEEP_LAST),
+            ("run.log_every_steps", r.log_every_steps, MAX_STEPS),
+            ("run.max_nonfinite_steps", r.max_nonfinite_steps, MAX_STEPS),
         ):
             _require(value is None or value > 0, f"{name} = {value} must be a positive integer")
-        for name, value in (
-            ("data.num_workers", d.num_workers),
-            ("run.checkpoint_every_steps", r.checkpoint_every_steps),
-        ):
-            _require(value is None or value >= 0, f"{name} = {value} must not be negative")
+            _at_most(name, value, most)
+        _require(
+            r.checkpoint_every_steps >= 0,
+            f"run.checkpoint_every_steps = {r.checkpoint_every_steps} must not be negative",
+        )
+        _at_most("run.checkpoint_every_steps", r.checkpoint_every_steps, MAX_STEPS)
+        self._validate_workers()
+
+    def _validate_workers(self) -> None:
+        """An explicit worker count must be one this machine can run (cores, memory, open
+        files): 100,000 workers in a run folder's config.toml would fork until it fell over."""
+        d = self.data
+        if d.num_workers is None:
+            return
+        _require(d.num_workers >= 0, f"data.num_workers = {d.num_workers} must not be negative")
+        limit = worker_limit(threads=d.engine == "threads")
+        _require(
+            d.num_workers <= limit.workers,
+            f"data.num_workers = {d.num_workers} is more loader workers than this machine can "
+            f"run ({limit.workers}: {limit.reason}); set --num-workers to at most {limit.workers}, "
+            "or leave it unset for the bench-loader profile or the default",
+        )
 
     def _validate_numbers(self) -> None:
         d, _, o, r = self.parts()
@@ -198,16 +229,19 @@ class TrainConfig:
                 number is None or math.isfinite(number),
                 f"{name} = {number} must be a finite number",
             )
-        for name, number in (
-            ("optim.lr", o.lr),
-            ("optim.weight_decay", o.weight_decay),
-            ("optim.warmup_epochs", o.warmup_epochs),
+        for name, number, most in (
+            ("optim.lr", o.lr, MAX_LR),
+            ("optim.weight_decay", o.weight_decay, MAX_WEIGHT_DECAY),
+            ("optim.warmup_epochs", o.warmup_epochs, MAX_EPOCHS),
         ):
             _require(number is None or number >= 0, f"{name} = {number} must not be negative")
+            _at_most(name, number, most)
         _require(
             o.clip_grad is None or o.clip_grad > 0,
             f"optim.clip_grad = {o.clip_grad} must be positive (leave it unset for no clipping)",
         )
+        if o.clip_grad is not None:
+            _in_range("optim.clip_grad", o.clip_grad, CLIP_GRAD_RANGE, "a gradient norm")
         _require(0 <= o.momentum < 1, f"optim.momentum = {o.momentum} must be in [0, 1)")
         _require(
             d.engine in ("auto", *ENGINES),
@@ -226,6 +260,7 @@ class TrainConfig:
             f"optim.label_smoothing = {o.label_smoothing} must be in [0, 1)",
         )
         _require(r.dist_timeout_s > 0, f"run.dist_timeout_s = {r.dist_timeout_s} must be positive")
+        _in_range("run.dist_timeout_s", r.dist_timeout_s, DIST_TIMEOUT_RANGE_S, "seconds")
 
 
 @dataclass(frozen=True)
@@ -260,22 +295,44 @@ def load_config(path: str | None, overrides: dict[str, dict[str, Any]]) -> Train
     """Defaults, then the TOML file at `path`, then `overrides` ({section: {key: value}})."""
     config = TrainConfig()
     if path:
-        try:
-            with open(path, "rb") as f:
-                _apply(config, tomllib.load(f), f"config file {path}")
-        except FileNotFoundError:
-            raise ConfigError(f"--config {path}: no such file") from None
-        except IsADirectoryError:
-            raise ConfigError(f"--config {path} is a folder; give the TOML file") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
-                f"offset {exc.start}); TOML files are UTF-8: save it as UTF-8"
-            ) from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        _apply(config, _read_toml(path), f"config file {path}")
     _apply(config, overrides, "the command line")
     return config
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    """The TOML file at `path`: a regular file of at most `MAX_CONFIG_BYTES`, UTF-8, parsed
+    (a FIFO would hang, /dev/zero read without end, a value nested 100,000 deep recurse)."""
+    try:
+        with storage.open_regular(path) as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except storage.NotRegularFileError as exc:
+        raise ConfigError(f"--config {path} is {exc.kind}; give the TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path} cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config file {path} is over {MAX_CONFIG_BYTES >> 20} MiB; a training config is a "
+            "few [section] key = value lines: give that file"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+            f"offset {exc.start}); TOML files are UTF-8: save it as UTF-8"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(
+            f"config file {path} nests arrays or tables too deeply to read; a training config "
+            "is [section] key = value lines with plain values: fix the file"
+        ) from None
 
 
 def _apply(config: TrainConfig, values: dict[str, Any], source: str) -> None:
@@ -283,7 +340,7 @@ def _apply(config: TrainConfig, values: dict[str, Any], source: str) -> None:
     for section, items in values.items():
         if section not in sections or not isinstance(items, dict):
             raise ConfigError(
-                f"{source}: unknown section [{section}]; sections are "
+                f"{source}: unknown section [{_cut(section)}]; sections are "
                 + ", ".join(f"[{s}]" for s in sections)
             )
         part = sections[section]
@@ -291,7 +348,7 @@ def _apply(config: TrainConfig, values: dict[str, Any], source: str) -> None:
         for key, value in items.items():
             if key not in known:
                 raise ConfigError(
-                    f"{source}: [{section}] has no key {key!r}; keys are {', '.join(known)}"
+                    f"{source}: [{section}] has no key {_shown(key)}; keys are {', '.join(known)}"
                 )
             setattr(part, key, _typed(value, known[key], f"{source}: [{section}] {key}"))
 
@@ -311,7 +368,19 @@ def _typed(value: Any, spec: dataclasses.Field[Any], what: str) -> Any:
     elif isinstance(value, str) and "str" in kinds:
         return value
     expected = " or ".join(k for k in kinds if k != "None")
-    raise ConfigError(f"{what} = {value!r} must be {expected}")
+    raise ConfigError(f"{what} = {_shown(value)} must be {expected}")
+
+
+def _shown(value: Any) -> str:
+    """`value`'s repr, cut to 80 characters (a TOML array can be megabytes long)."""
+    try:
+        return _cut(repr(value))
+    except RecursionError:
+        return f"a deeply nested {type(value).__name__}"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def to_toml(config: TrainConfig) -> str:
@@ -328,6 +397,24 @@ def to_toml(config: TrainConfig) -> str:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _at_most(name: str, value: float | None, most: float | None) -> None:
+    if value is not None and most is not None and value > most:
+        shown = f"{most:g}" if isinstance(most, float) else str(most)
+        derived = " (sgd's default is 0.1 x batch_size/256: set --lr)" if name == "optim.lr" else ""
+        raise ConfigError(
+            f"{name} = {value} must be at most {shown}{derived}; give a value in its documented "
+            "range (README: Security and failure model)"
+        )
+
+
+def _in_range(name: str, value: float, bounds: tuple[float, float], unit: str) -> None:
+    low, high = bounds
+    _require(
+        low <= value <= high,
+        f"{name} = {value} must be in [{low:g}, {high:g}] ({unit})",
+    )
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dlpipe.errors import ManifestError, UnsupportedStorageError
 from dlpipe.formats.base import (
+    SampleCountError,
     ShardDiskFullError,
     ShardFormat,
     ShardReader,
@@ -20,6 +21,7 @@ from dlpipe.formats.wds import WDS
 
 __all__ = [
     "FORMATS",
+    "SampleCountError",
     "ShardDiskFullError",
     "ShardFormat",
     "ShardReader",

@@ -32,6 +32,7 @@ from dlpipe.manifest import ShardInfo
 from dlpipe.sample import KEY_FIELD, Sample, check_field_name, sample_fields
 
 __all__ = [
+    "SampleCountError",
     "ShardBuilder",
     "ShardDiskFullError",
     "ShardFileWriter",
@@ -54,6 +55,18 @@ class ShardDiskFullError(DlpipeError, OSError):
 class UnsafeShardError(ShardCorruptError):
     """A shard holds or is something dlpipe never writes that could read outside the dataset
     folder or without bound (a symbolic link, a FIFO, an HDF5 external link, a sparse member)."""
+
+
+class SampleCountError(ShardCorruptError):
+    """A shard holds another number of samples than its manifest entry says (`found` and
+    `expected`; `found` None when the count was cut short). A loader would otherwise read the
+    manifest's count and silently drop or never reach the rest."""
+
+    def __init__(
+        self, message: str, *, found: int | None = None, expected: int | None = None
+    ) -> None:
+        super().__init__(message)  # one argument, as a DataLoader worker's error is rebuilt
+        self.found, self.expected = found, expected
 
 
 def open_regular_file(path: str) -> IO[bytes]:
@@ -208,6 +221,18 @@ class ShardReader(ABC):
         where = f"shard {self.path}" + (f", sample {index}" if index is not None else "")
         return ShardCorruptError(
             f"{where}: {message}; run `dlpipe verify` on the dataset and re-convert it"
+        )
+
+    def count_mismatch(self, found: int, *, at_least: bool = False) -> SampleCountError:
+        """A `SampleCountError`: this shard holds `found` samples (or, `at_least`, more than
+        `found`), not the manifest's count."""
+        held = f"more than {found}" if at_least else str(found)
+        return SampleCountError(
+            f"shard {self.path} holds {held} samples but the manifest says "
+            f"{self.info.samples}; the manifest does not match its shards: run `dlpipe verify` "
+            "on the dataset (it lists every shard that disagrees) and re-convert it",
+            found=None if at_least else found,
+            expected=self.info.samples,
         )
 
     def unsafe(self, found: str, index: int | None = None) -> UnsafeShardError:

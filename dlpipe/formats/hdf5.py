@@ -38,7 +38,7 @@ import h5py
 import numpy as np
 
 from dlpipe import storage
-from dlpipe.formats.base import ShardFileWriter, ShardFormat, ShardReader
+from dlpipe.formats.base import SampleCountError, ShardFileWriter, ShardFormat, ShardReader
 from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = ["HDF5"]
@@ -147,6 +147,7 @@ def _checked_datasets(file: h5py.File, reader: Hdf5Reader) -> dict[str, h5py.Dat
             f"holds datasets {sorted(names)}; a dlpipe shard of fields "
             f"{sorted(reader.fields)} holds {sorted(expected)}"
         )
+    _check_count(file, reader)
     datasets = {}
     for name, (dtype, length) in expected.items():
         obj = file.get(name)
@@ -155,6 +156,16 @@ def _checked_datasets(file: h5py.File, reader: Hdf5Reader) -> dict[str, h5py.Dat
         _check_dataset(name, obj, dtype, length, reader)
         datasets[name] = obj
     return datasets
+
+
+def _check_count(file: h5py.File, reader: Hdf5Reader) -> None:
+    """The shard's sample count (its key offsets' length, less one: metadata, nothing read) is
+    the manifest's, or a `SampleCountError` names both."""
+    offsets = file.get(KEY_FIELD + _OFFSETS)
+    if isinstance(offsets, h5py.Dataset) and offsets.ndim == 1 and offsets.shape[0] >= 1:
+        found = int(offsets.shape[0]) - 1
+        if found != reader.info.samples:
+            raise reader.count_mismatch(found)
 
 
 def _check_dataset(
@@ -203,7 +214,11 @@ class Hdf5Reader(ShardReader):
 
     def count_samples(self) -> int:
         """From the key offsets (opening checks them against the blob and the file)."""
-        return len(self.handle().offsets[KEY_FIELD]) - 1
+        try:
+            return len(self.handle().offsets[KEY_FIELD]) - 1
+        except SampleCountError as exc:
+            assert exc.found is not None  # the offsets give the count
+            return exc.found
 
     def get(self, index: int) -> Sample:
         return next(self._read(index, index + 1))

@@ -55,7 +55,13 @@ import lmdb
 import msgpack
 
 from dlpipe import storage
-from dlpipe.formats.base import ShardFileWriter, ShardFormat, ShardReader, open_regular_file
+from dlpipe.formats.base import (
+    SampleCountError,
+    ShardFileWriter,
+    ShardFormat,
+    ShardReader,
+    open_regular_file,
+)
 from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = ["LMDB", "META_KEY", "index_key"]
@@ -341,15 +347,32 @@ class LmdbReader(ShardReader):
         if needed > self.info.bytes:
             env.close()
             raise ValueError(f"truncated: its pages need {needed} bytes, the file has fewer")
+        try:  # the count is in the meta page: a manifest that disagrees is named at open
+            found = self._entries(env)
+        except lmdb.Error:
+            env.close()
+            raise
+        if found != self.info.samples:
+            env.close()
+            raise self.count_mismatch(found)
         return env
+
+    @staticmethod
+    def _entries(env: Any) -> int:
+        """The environment's entries, less the metadata record."""
+        with env.begin() as txn:
+            has_meta = txn.get(META_KEY) is not None
+        return int(env.stat()["entries"]) - int(has_meta)
 
     def count_samples(self) -> int:
         """The environment's entries, less the metadata record."""
-        env = self.handle()
         try:
-            with env.begin() as txn:
-                has_meta = txn.get(META_KEY) is not None
-            return int(env.stat()["entries"]) - int(has_meta)
+            env = self.handle()
+        except SampleCountError as exc:
+            assert exc.found is not None  # lmdb knows its count
+            return exc.found
+        try:
+            return self._entries(env)
         except lmdb.Error as exc:
             raise self.corrupt(f"cannot be counted ({exc})") from exc
 

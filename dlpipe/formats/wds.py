@@ -226,14 +226,13 @@ class WdsReader(ShardReader):
         checked, their data seeked over (skipped, in a stream)."""
         position = [start]
         with self._tar(position) as shard:
-            for key, fields in _group(shard, self, start, wanted=wanted):
+            groups = _group(shard, self, start, wanted=wanted, limit=self.info.samples)
+            for key, fields in groups:
                 if wanted is None or position[0] in wanted:
                     yield self.make_sample(position[0], key, fields)
                 position[0] += 1
         if position[0] != self.info.samples:
-            raise self.corrupt(
-                f"holds {position[0]} samples but the manifest says {self.info.samples}"
-            )
+            raise self.count_mismatch(position[0])
 
     def count_samples(self) -> int:
         """From the member headers alone (each one checked); no member data is read."""
@@ -371,16 +370,24 @@ def _group(
     *,
     read: bool = True,
     wanted: Set[int] | None = None,
+    limit: int | None = None,
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """(key, fields) of consecutive members; the first `skip` samples' data is never read (nor
     any with `read` False, nor one whose index `wanted` lacks: the fields then hold empty
-    bytes)."""
+    bytes). With `limit` (the manifest's count), a sample past it is a `SampleCountError`,
+    raised before the last sample within it is yielded: a reader that stops at the manifest's
+    count still meets it."""
     key: str | None = None
     fields: dict[str, bytes] = {}
     index = -1
     for member in shard.members:
         _check_extent(member, reader, max(index, 0))
         name_key, field = _split_member(member, reader)
+        if name_key != key and limit is not None and index + 1 >= limit:
+            more = _samples_from(shard.members, name_key)
+            if more is None:
+                raise reader.count_mismatch(limit, at_least=True)
+            raise reader.count_mismatch(limit + more)
         if name_key != key:
             if key is not None and index >= skip:
                 yield key, fields
@@ -398,6 +405,20 @@ def _group(
         fields[field] = data
     if key is not None and index >= skip:
         yield key, fields
+
+
+def _samples_from(members: Iterator[tarfile.TarInfo], key: str) -> int | None:
+    """How many samples the rest of a shard holds, `key`'s included, from the member headers
+    alone; None when they cannot be read to the end."""
+    count = 1
+    try:
+        for member in members:
+            name_key = member.name.partition(".")[0]
+            if name_key != key:
+                count, key = count + 1, name_key
+    except (tarfile.TarError, RefusedHeaderError, EOFError, OSError, ValueError):
+        return None
+    return count
 
 
 def _check_extent(member: tarfile.TarInfo, reader: WdsReader, index: int) -> None:

@@ -16,19 +16,34 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dlpipe.errors import DlpipeError
-from dlpipe.machine import usable_cpus
+from dlpipe.machine import usable_cpus, worker_limit
 
-__all__ = ["LoaderConfig", "LoaderConfigError", "WorkerSettings", "default_workers"]
+__all__ = [
+    "LoaderConfig",
+    "LoaderConfigError",
+    "WorkerSettings",
+    "bounded_workers",
+    "default_workers",
+]
 
 TRANSFORMS = ("auto", "train", "eval")
 ENGINES = ("processes", "threads")
 DECODE_DEVICES = ("cpu", "cuda")
 Transform = str | Callable[..., Any] | None
+
+log = logging.getLogger("dlpipe")
+# Past these a loader cannot run: a batch or a crop that allocates terabytes, a seed numpy and
+# torch refuse, a prefetch that queues a billion batches' indices before the first one.
+MAX_BATCH_SIZE = 1 << 20
+MAX_IMAGE_SIZE = 16384
+MAX_SEED = 2**64 - 1
+MAX_PREFETCH_FACTOR = 64
 
 
 class LoaderConfigError(DlpipeError, ValueError):
@@ -68,10 +83,12 @@ class LoaderConfig:
     drop_last: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "image_size"):
+        for name, most in (("batch_size", MAX_BATCH_SIZE), ("image_size", MAX_IMAGE_SIZE)):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise _reject(name, value, "is not a positive integer", f"pass {name}=64, say")
+            if value > most:
+                raise _reject(name, value, f"is more than {most}", f"pass at most {most}")
         scale = self.min_crop_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
             raise _reject(
@@ -82,8 +99,9 @@ class LoaderConfig:
         ):
             rule = "is not 'auto', 'train', 'eval', None or a callable"
             raise _reject("transform", self.transform, rule, "pass one of those")
-        if not _is_int(self.seed):
-            raise _reject("seed", self.seed, "is not an integer", "pass seed=0, say")
+        if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
+            rule = f"is not an integer in 0..{MAX_SEED} (what numpy and torch seed with)"
+            raise _reject("seed", self.seed, rule, "pass seed=0, say")
         for name in ("shuffle", "drop_last"):
             if getattr(self, name) not in (None, True, False):
                 raise _reject(name, getattr(self, name), "is not True, False or None", "pass one")
@@ -148,10 +166,11 @@ class WorkerSettings:
                 "num_workers", self.num_workers, "is not an integer >= 0", "pass 0 or more"
             )
         prefetch = self.prefetch_factor
-        if prefetch is not None and (not _is_int(prefetch) or prefetch < 1):
-            raise _reject(
-                "prefetch_factor", prefetch, "is not None or an integer >= 1", "pass 2, say"
-            )
+        if prefetch is not None and (
+            not _is_int(prefetch) or not 1 <= prefetch <= MAX_PREFETCH_FACTOR
+        ):
+            rule = f"is not None or an integer in 1..{MAX_PREFETCH_FACTOR}"
+            raise _reject("prefetch_factor", prefetch, rule, "pass 2, say")
         for name in ("pin_memory", "persistent_workers"):
             if not isinstance(getattr(self, name), bool):
                 raise _reject(name, getattr(self, name), "is not True or False", "pass one")
@@ -211,3 +230,30 @@ def default_workers() -> WorkerSettings:
         pin_memory=torch.cuda.is_available(),
         persistent_workers=True,
     )
+
+
+def bounded_workers(settings: WorkerSettings, origin: str) -> WorkerSettings:
+    """`settings` within what this machine can run (`dlpipe.machine.worker_limit`: cores,
+    memory, open files). A count asked for (`origin` ``"given"``) past it cannot run: it is
+    refused, naming the limit. A saved profile's or the defaults' is advice: it is cut to the
+    limit, with a warning on the ``dlpipe`` logger.
+
+    Raises:
+        LoaderConfigError: a given ``num_workers`` is more than the machine can run.
+    """
+    limit = worker_limit(threads=settings.engine == "threads")
+    if settings.num_workers <= limit.workers:
+        return settings
+    what = "threads" if settings.engine == "threads" else "worker processes"
+    rule = f"is more {what} than this machine can run ({limit.workers}: {limit.reason})"
+    if origin == "given":
+        fix = f"pass at most {limit.workers} (`dlpipe bench-loader` measures the fastest count)"
+        raise _reject("num_workers", settings.num_workers, rule, fix)
+    log.warning(
+        "the %s num_workers=%d %s; using %d (re-run `dlpipe bench-loader` on this machine)",
+        "saved profile's" if origin == "profile" else "default",
+        settings.num_workers,
+        rule.removeprefix("is "),
+        limit.workers,
+    )
+    return settings.replace(num_workers=limit.workers)

@@ -51,6 +51,7 @@ from dlpipe.loading.config import (
     LoaderConfig,
     LoaderConfigError,
     WorkerSettings,
+    bounded_workers,
     default_workers,
 )
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
@@ -316,7 +317,7 @@ def _worker_settings(
     changes = {name: value for name, value in fields.items() if value is not None}
     if "num_workers" in changes:
         origin = "given"
-    return base.replace(**changes), origin
+    return bounded_workers(base.replace(**changes), origin), origin
 
 
 def make_loader(

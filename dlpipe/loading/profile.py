@@ -41,7 +41,12 @@ from typing import Any
 from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.errors import DlpipeError
-from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
+from dlpipe.loading.config import (
+    MAX_PREFETCH_FACTOR,
+    LoaderConfig,
+    LoaderConfigError,
+    WorkerSettings,
+)
 from dlpipe.machine import usable_cpus
 from dlpipe.manifest import PROFILES_NAME
 
@@ -51,6 +56,7 @@ __all__ = [
     "ProfileError",
     "ProfileSaveError",
     "cache_file",
+    "contradiction",
     "find_profile",
     "gpu_name",
     "loader_key",
@@ -64,8 +70,7 @@ SCHEMA_VERSION = 1
 _FIX = "re-run `dlpipe bench-loader` on this dataset (it rewrites the file), or delete the file"
 # a profiles file is untrusted (it ships inside a dataset folder): settings past these would
 # start a fork bomb or pin gigabytes of prefetched batches, and no measurement picks them
-MAX_NUM_WORKERS = 256
-MAX_PREFETCH_FACTOR = 64
+MAX_NUM_WORKERS = 256  # and MAX_PREFETCH_FACTOR, the loader's own bound
 MAX_PROFILES_BYTES = 1 << 20
 _MACHINE_KEYS = {"cpus", "gpu", "torch"}
 _LOADER_KEYS = {"split", "batch_size", "transform", "image_size", "min_crop_scale"}
@@ -287,6 +292,16 @@ def select_profile(
         )
         return None
     chosen, source = found
+    problem = contradiction(chosen)
+    if problem is not None:
+        log.warning(
+            "the loader profile in %s %s; a profile is advice, so it is passed over and the "
+            "default worker settings are used (%s)",
+            source,
+            problem,
+            _FIX,
+        )
+        return None
     log.info(
         "using loader profile from %s: %s (measured %.0f samples/s)",
         source,
@@ -294,6 +309,25 @@ def select_profile(
         chosen.samples_per_s,
     )
     return chosen
+
+
+def contradiction(profile: LoaderProfile) -> str | None:
+    """What makes `profile` unusable on this machine, or None: settings that contradict its
+    own machine key or this machine (a GPU decode or pinned memory without a GPU). A worker
+    count past what the machine can run is cut by the loader (`bounded_workers`)."""
+    import torch
+
+    s, gpu = profile.settings, profile.machine.get("gpu")
+    has_gpu = torch.cuda.is_available()
+    for wanted, what in ((s.decode == "cuda", "decode=cuda"), (s.pin_memory, "pin_memory=true")):
+        if wanted and (gpu == "none" or not has_gpu):
+            where = "its machine key says gpu: none" if gpu == "none" else "this machine has none"
+            return f"asks for {what}, which needs a CUDA GPU, but {where}"
+    transform = profile.loader.get("transform")
+    if s.decode == "cuda" and transform not in ("train", "eval"):
+        only = "the GPU decodes for the 'train' and 'eval' transforms only"
+        return f"asks for decode=cuda with transform {transform!r}; {only}"
+    return None
 
 
 def _identity(dataset_path: str) -> str:

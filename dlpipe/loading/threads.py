@@ -11,14 +11,19 @@ the stream order draws there, the samples are read there (lmdb, hdf5 and tar rea
 copies), and only each sample's transform goes to the pool (`Deferred`). A batch is a
 `PendingBatch` of futures until `ahead` resolves it, in order, ``depth`` batches behind the
 submissions so the pool always has work queued. Threads get no signals (Python runs handlers
-on the main thread), so a stop signal meant for the trainer reaches only the trainer.
+on the main thread), so a stop signal meant for the trainer reaches only the trainer. The
+threads are daemons (`DaemonPool`): a transform that never returns cannot keep the interpreter
+from exiting after ``loader.close()``, as ``ThreadPoolExecutor``'s joined threads would.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -29,6 +34,7 @@ from dlpipe.loading.views import Piece, apply_transform, collate
 from dlpipe.sample import Sample
 
 __all__ = [
+    "DaemonPool",
     "Deferred",
     "PendingBatch",
     "ThreadEngine",
@@ -46,13 +52,11 @@ class ThreadEngine:
         self, threads: int, depth: int, pin: bool, collate: Callable[[list[Any]], Any] = collate
     ) -> None:
         self.threads, self.depth, self.pin, self.collate = threads, depth, pin, collate
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                self.threads, thread_name_prefix="dlpipe-loader", initializer=_one_torch_thread
-            )
+            self._pool = DaemonPool(self.threads, "dlpipe-loader", _one_torch_thread)
         return self._pool.submit(fn, *args)
 
     def deferred(self, transform: Callable[..., Any] | None) -> Deferred:
@@ -66,8 +70,66 @@ class ThreadEngine:
     def close(self) -> None:
         """Drop the queued transforms and let the threads end (a later pass starts anew)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown()
             self._pool = None
+
+
+_Work = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+
+
+class DaemonPool:
+    """`threads` daemon threads running submitted calls in order, each after `initializer`.
+
+    ``ThreadPoolExecutor`` would do, but the interpreter joins its threads at exit, so one
+    transform that never returns (a hung network read, a deadlock in user code) would keep the
+    process alive forever after the loader closed. A daemon thread is abandoned at exit. The
+    threads end after their current call on `shutdown`, or when the pool is collected.
+    """
+
+    def __init__(self, threads: int, name: str, initializer: Callable[[], None]) -> None:
+        self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        for i in range(threads):  # the threads hold the queue, not the pool
+            args = (self._work, initializer)
+            threading.Thread(target=_serve, args=args, name=f"{name}_{i}", daemon=True).start()
+        self._stop = weakref.finalize(self, _stop_threads, self._work, threads)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._work.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started and let each thread end after its current one
+        (without waiting for it)."""
+        while True:
+            try:
+                work = self._work.get_nowait()
+            except queue.Empty:
+                break
+            if work is not None:
+                work[0].cancel()
+        self._stop()
+
+
+def _stop_threads(work: queue.SimpleQueue[_Work | None], threads: int) -> None:
+    for _ in range(threads):
+        work.put(None)
+
+
+def _serve(work_queue: queue.SimpleQueue[_Work | None], initializer: Callable[[], None]) -> None:
+    """One pool thread: run calls until told to stop."""
+    initializer()
+    while (work := work_queue.get()) is not None:
+        future, fn, args = work
+        del work
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # as ThreadPoolExecutor: the caller gets it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        del future, fn, args
 
 
 def _one_torch_thread() -> None:

@@ -52,7 +52,13 @@ from dlpipe.loading.threads import one_torch_thread
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
 from dlpipe.loading.verdicts import decode_verdict, verdict
 from dlpipe.loading.views import collate as collate_batch
-from dlpipe.machine import available_memory, cpu_seconds, proportional_set_size, usable_cpus
+from dlpipe.machine import (
+    available_memory,
+    cpu_seconds,
+    proportional_set_size,
+    usable_cpus,
+    worker_limit,
+)
 from dlpipe.manifest import read_manifest
 
 __all__ = [
@@ -391,7 +397,10 @@ def search(
         nonlocal per_worker
         each = guess if per_worker is None else per_worker
         needed = each * trial.num_workers if trial.engine == "processes" else 0.0
-        if needed > memory:
+        most = worker_limit(threads=trial.engine == "threads")
+        if trial.num_workers > most.workers:  # the loader would refuse it
+            trial.skipped = f"more workers than this machine can run ({most.reason})"
+        elif needed > memory:
             trial.skipped = (
                 f"needs ~{needed / 1e9:.1f} GB of worker memory, {memory / 1e9:.1f} GB fit"
             )
