@@ -3,8 +3,11 @@
 Each case builds a component, advances it part-way, saves ``state_dict()``, round-trips the
 state through ``torch.save`` / ``torch.load(weights_only=True)`` (what a checkpoint does),
 restores it into a fresh component built the same way, and checks that what follows equals
-what the original yields as it goes on. A second test walks ``dlpipe.loading`` and
-``dlpipe.train`` so that a new class with a ``state_dict`` cannot skip the contract.
+what the original yields as it goes on. A state is untrusted input: a crafted value in any
+field (another type, a bool for a count, a sign, a size past the range) is refused with a
+`StateMismatchError` naming the field, and the component is left as it was. A last test walks
+``dlpipe.loading`` and ``dlpipe.train`` so that a new class with a ``state_dict`` cannot skip
+the contract.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib
 import inspect
 import io
 import itertools
+import math
 import pkgutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -189,6 +193,58 @@ def test_a_state_of_another_component_is_refused_not_half_loaded(case, make_data
     component, _ = _parts(case.build(make_dataset(case.data) if case.data else None))
     with pytest.raises(StateMismatchError):
         component.load_state_dict({"something": "else"})
+
+
+def crafted(value: Any) -> list[Any]:
+    """Values of the kinds next to `value`'s that no field saved as `value` takes: other
+    types, a bool where a count is, a float where an int is, a sign, a size past any range."""
+    if isinstance(value, bool):
+        return [int(value), str(value), None]
+    if isinstance(value, int):
+        return [True, False, -1, value - 2**70, 2**70, float(value), value + 0.5, str(value), None]
+    if isinstance(value, float):
+        return [str(value), math.nan, math.inf, -1.0, -math.inf, True]
+    if value is None:
+        return ["x", -1.0, math.nan, True]
+    if isinstance(value, str):
+        return [1, None, value + "-other", b"x"]
+    if isinstance(value, list):
+        return ["x", None, 3, {"0": value}, [["a", "b"]], [[True, 2.5]]]
+    if isinstance(value, dict):
+        return ["x", None, [], {"other": 1}]
+    return ["x", None]
+
+
+def _crafted_states(case: Case, data: str | None) -> Iterator[tuple[Any, str, Any, Any]]:
+    """(the component after the save, field, crafted value, its state with it) for every
+    field of a state saved part-way."""
+    component = case.build(data)
+    _take(case.outputs(component, 0), ADVANCE)
+    state = _save(component)["component"]
+    for name, value in state.items():
+        for bad in crafted(value):
+            yield component, name, bad, {**state, name: bad}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_a_crafted_value_in_any_field_is_refused_by_name_and_changes_nothing(
+    case, make_dataset
+) -> None:
+    data = make_dataset(case.data) if case.data else None
+    tried = set()
+    for built, name, bad, state in _crafted_states(case, data):
+        component, _ = _parts(built)
+        before = _round_trip(component.state_dict())
+        with pytest.raises(StateMismatchError, match=f"{name}") as refused:
+            component.load_state_dict(state)
+        assert "Error" not in str(refused.value), (name, bad, refused.value)  # no bare one
+        assert _round_trip(component.state_dict()) == before, (name, bad)
+        tried.add(name)
+    # the control: the state as saved loads, and every field of it was tried
+    component, _ = _parts(built)
+    saved = _round_trip(component.state_dict())
+    component.load_state_dict(saved)
+    assert tried == set(saved)
 
 
 def _classes_with_state() -> dict[str, str]:

@@ -17,6 +17,7 @@ start (only dlpipe's own temp names).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -29,9 +30,19 @@ import torch
 
 from dlpipe import storage
 from dlpipe.errors import DlpipeError
+from dlpipe.loading.state import (
+    MAX_COUNT,
+    StateMismatchError,
+    is_int,
+    mismatch,
+    require_like,
+    shown,
+)
 
 __all__ = [
     "CheckpointError",
+    "check_fields",
+    "check_optimizer_values",
     "check_resumable",
     "check_same_model",
     "check_same_optimizer",
@@ -58,6 +69,11 @@ REQUIRED_KEYS = (
     "step", "epoch", "model", "optimizer", "scheduler", "runner", "trainer", "early_stop",
     "world_size", "global_batch", "classes", "ranks",
 )  # fmt: skip
+
+
+# what a refused checkpoint's message advises: both work in the folder that refused it
+# (`--resume none` there is refused: the folder holds this run's checkpoints)
+FIX = "resume from an earlier checkpoint with --resume PATH, or start afresh in another --out"
 
 
 class CheckpointError(DlpipeError, ValueError):
@@ -111,7 +127,7 @@ def load_checkpoint(path: str, *, mmap: bool = False) -> dict[str, Any]:
     except Exception as exc:  # truncated zip, not a torch file, a pickled object
         raise CheckpointError(
             f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]}); "
-            "it may be truncated: resume from an earlier one, or --resume none"
+            f"it may be truncated: {FIX}"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a dlpipe checkpoint (no format {FORMAT!r})")
@@ -123,13 +139,102 @@ def load_checkpoint(path: str, *, mmap: bool = False) -> dict[str, Any]:
             f"reads version {VERSION} only: finish that run with the dlpipe that wrote it, or "
             "start afresh in another --out"
         )
+    check_fields(state, path)
+    return state
+
+
+def check_fields(state: Mapping[str, Any], path: str) -> None:
+    """Refuse a checkpoint whose fields are not what ``dlpipe train`` writes, before anything
+    reads them: counts are integers (``step`` and ``epoch`` 0 or more, the same as the
+    trainer counters'; ``world_size`` and ``global_batch`` positive, the batch a multiple of
+    the ranks), ``ranks`` one loader and RNG state per rank, the parts dicts, the model's
+    weights tensors by name, the config's names strings. The parts' own fields are checked
+    as they are restored (each component's ``load_state_dict``, `check_optimizer_values`).
+
+    Raises:
+        CheckpointError: naming the file, the field, its value and the rule.
+    """
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{path} is not a dlpipe checkpoint: it holds a {type(state)}")
     missing = [key for key in REQUIRED_KEYS if key not in state]
     if missing:
         raise CheckpointError(
             f"checkpoint {path} lacks {', '.join(missing)}: it was not written whole by "
-            "dlpipe train; resume from another checkpoint, or start afresh in another --out"
+            f"dlpipe train; {FIX}"
         )
-    return state
+    try:
+        for check in (_check_counts, _check_parts, _check_ranks, _check_config):
+            check(state)
+    except _Refused as refused:
+        name, value, rule = refused.args
+        raise CheckpointError(
+            f"checkpoint {path} has {name}={shown(value)}: {rule}, which dlpipe train never "
+            f"writes; {FIX}"
+        ) from None
+
+
+class _Refused(Exception):
+    """(field, value, rule) of a checkpoint field `check_fields` refuses."""
+
+
+def _check_counts(state: Mapping[str, Any]) -> None:
+    for name, low in (("step", 0), ("epoch", 0), ("world_size", 1), ("global_batch", 1)):
+        if not is_int(state[name]) or not low <= state[name] <= MAX_COUNT:
+            raise _Refused(name, state[name], f"it must be an integer in {low}..2**62")
+    world_size, global_batch = state["world_size"], state["global_batch"]
+    if global_batch % world_size:
+        raise _Refused("global_batch", global_batch, f"a multiple of world_size={world_size}")
+
+
+def _check_parts(state: Mapping[str, Any]) -> None:
+    for name in ("model", "optimizer", "scheduler", "runner", "trainer", "early_stop"):
+        if not isinstance(state[name], Mapping):
+            raise _Refused(name, state[name], "it must be a dict")
+    for name in ("step", "epoch"):  # the trainer counters' own are what resumes
+        if state["trainer"].get(name) != state[name]:
+            own = shown(state["trainer"].get(name))
+            raise _Refused(name, state[name], f"it must equal the trainer's {name}={own}")
+    weights = state["model"]
+    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise _Refused("model", weights, "it must map parameter names to tensors")
+    optimizer = state["optimizer"]
+    groups = optimizer.get("param_groups")
+    if not isinstance(optimizer.get("state"), Mapping) or not (
+        isinstance(groups, list | tuple)
+        and all(isinstance(g, Mapping) and _indices(g.get("params")) for g in groups)
+    ):
+        raise _Refused("optimizer", optimizer, "it must be a torch optimizer's state_dict")
+
+
+def _check_ranks(state: Mapping[str, Any]) -> None:
+    classes, ranks, world_size = state["classes"], state["ranks"], state["world_size"]
+    if not isinstance(classes, list | tuple) or not all(isinstance(c, str) for c in classes):
+        raise _Refused("classes", classes, "it must be a list of class names")
+    if not isinstance(ranks, list | tuple) or len(ranks) != world_size:
+        rule = f"it must be a list of one entry per rank (world_size={world_size})"
+        raise _Refused("ranks", ranks, rule)
+    for i, rank in enumerate(ranks):
+        if not isinstance(rank, Mapping) or not all(
+            isinstance(rank.get(key), Mapping) for key in ("loader", "rng")
+        ):
+            raise _Refused(f"ranks[{i}]", rank, "it must be a dict of a loader and an rng state")
+
+
+def _check_config(state: Mapping[str, Any]) -> None:
+    """What the messages read of the run's config (the model and optimizer names)."""
+    config = state.get("config", {})
+    if not isinstance(config, Mapping):
+        raise _Refused("config", config, "it must be the run's config as a dict of sections")
+    for section, key in (("model", "name"), ("optim", "optimizer")):
+        part = config.get(section, {})
+        if not isinstance(part, Mapping) or not isinstance(part.get(key, ""), str):
+            raise _Refused(f"config.{section}", part, f"it must be a dict whose {key} is a name")
+    if not isinstance(state.get("reason", ""), str):
+        raise _Refused("reason", state["reason"], "it must be a word")
+
+
+def _indices(value: Any) -> bool:
+    return isinstance(value, list | tuple) and all(is_int(i) and i >= 0 for i in value)
 
 
 def check_same_model(state: Mapping[str, Any], path: str, model: Mapping[str, Any]) -> None:
@@ -178,6 +283,61 @@ def check_same_optimizer(
     )
 
 
+def check_optimizer_values(
+    state: Mapping[str, Any],
+    path: str,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Refuse optimizer and scheduler values this run's would fail on at a later step:
+    each parameter's saved tensors have its shape and its numbers are finite; each group's
+    hyperparameters and the scheduler's fields are of the kinds this run's are (finite,
+    not negative) and name nothing else (torch's ``load_state_dict`` sets any key given).
+    After `check_same_optimizer` (the same groups of the same sizes).
+
+    Raises:
+        CheckpointError: naming the file, the field, its value and the rule.
+    """
+    saved, now = state["optimizer"], optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    try:
+        pairs = zip(saved["param_groups"], now["param_groups"], strict=False)  # (same count)
+        for i, (group, own) in enumerate(pairs):
+            field = f"optimizer.param_groups[{i}]"
+            require_like(_hyper(group), _hyper(own), field, "optimizer", FIX, subset=True)
+        for index, values in saved["state"].items():
+            _check_param_state(index, values, params)
+        require_like(state["scheduler"], scheduler.state_dict(), "scheduler", "LR scheduler",
+                     FIX, subset=True)  # fmt: skip
+    except StateMismatchError as exc:
+        problem = f"checkpoint {path} cannot be resumed: {exc.problem}"
+        raise CheckpointError(f"{problem}; {FIX}") from None
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _check_param_state(index: Any, values: Any, params: list[torch.Tensor]) -> None:
+    """One parameter's optimizer state: tensors of its shape (or scalars), finite numbers."""
+    name = f"optimizer.state[{shown(index)}]"
+    if not is_int(index) or not 0 <= index < len(params) or not isinstance(values, Mapping):
+        rule = f"it must be a dict for one of the {len(params)} parameters"
+        raise mismatch("optimizer", name, values, rule, FIX)
+    shape = tuple(params[index].shape)
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            fits = value.dim() == 0 or tuple(value.shape) == shape
+            fits = fits and (not value.is_floating_point() or bool(value.isfinite().all()))
+        else:
+            fits = value is None or (
+                (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+            )
+        if not fits:
+            rule = f"it must be a finite tensor of the parameter's shape {list(shape)}"
+            raise mismatch("optimizer", f"{name}.{key}", value, rule, FIX)
+
+
 def check_resumable(
     state: Mapping[str, Any],
     path: str,
@@ -198,10 +358,13 @@ def check_resumable(
             shards to ranks, so it resumes only on the same count.
     """
     if state["global_batch"] != global_batch:
+        flags = f"--batch-size {state['global_batch']}"
+        if state["global_batch"] % world_size:  # it divides over the ranks that saved it
+            flags += f" --nproc-per-node {state['world_size']}"
         raise CheckpointError(
             f"checkpoint {path} was trained with a global batch of {state['global_batch']}, "
             f"this run has {global_batch}; the data position and the schedule resume exactly "
-            f"only with the same global batch: resume with --batch-size {state['global_batch']}"
+            f"only with the same global batch: resume with {flags}"
         )
     if state["world_size"] != world_size and not elastic:
         raise CheckpointError(
@@ -352,10 +515,32 @@ def reseed_rng(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(value)
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(
+    state: Mapping[str, Any], path: str = "the checkpoint", name: str = "rng"
+) -> None:
+    """Set every RNG stream from an `rng_state`; a state that does not set them all (checked
+    by python, numpy and torch as they take it) leaves every stream as it was.
+
+    Raises:
+        CheckpointError: naming the file and the field `name` of `state`.
+    """
+    before = rng_state()
+    try:
+        _set_rng_state(state)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as exc:
+        _set_rng_state(before)
+        raise CheckpointError(
+            f"checkpoint {path} has {name}={shown(state)}, which does not set the random "
+            f"streams ({type(exc).__name__}: {str(exc)[:200]}); {FIX}"
+        ) from None
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
+    if not (is_int(pos) and 0 <= pos <= 624 and has_gauss in (0, 1) and keys.numel() == 624):
+        raise ValueError("numpy's MT19937 state is 624 keys and a position in 0..624")
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():

@@ -13,7 +13,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from dlpipe.loading.state import require_fields
+from dlpipe.loading.state import (
+    SAVED_BY_DLPIPE,
+    is_int,
+    mismatch,
+    require_fields,
+    require_float,
+    require_int,
+    require_like,
+    require_list,
+)
 from dlpipe.train.progress import EpochStats
 
 __all__ = ["EarlyStopping", "RunCounters"]
@@ -38,13 +47,42 @@ class RunCounters:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        names = tuple(f.name for f in fields(self))
-        saved = require_fields(state, names, "trainer counters")
-        self.step, self.epoch = int(saved["step"]), int(saved["epoch"])
-        self.bad_steps, self.skipped_steps = int(saved["bad_steps"]), int(saved["skipped_steps"])
-        self.best_top1 = saved["best_top1"]
+        """Restore a `state_dict`, every field checked first (`StateMismatchError` names it):
+        counts are integers, not negative, within the steps taken; ``best_top1`` a fraction;
+        ``stats`` the `EpochStats` fields; ``history`` one record per finished epoch."""
+        what = "trainer counters"
+        saved = require_fields(state, tuple(f.name for f in fields(self)), what)
+        step = require_int(saved, "step", what)
+        epoch = require_int(saved, "epoch", what)
+        bad_steps = require_int(saved, "bad_steps", what, high=step)
+        skipped_steps = require_int(saved, "skipped_steps", what, high=step)
+        best_top1 = require_float(saved, "best_top1", what, high=1.0, optional=True)
+        require_like(saved["stats"], asdict(EpochStats()), "stats", what)
+        history = require_list(saved, "history", what)
+        for number, record in enumerate(history, 1):
+            rule = f"record {number} must be a dict of numbers whose epoch is {number}"
+            if not _is_record(record, number):
+                raise mismatch(what, f"history[{number - 1}]", record, rule, SAVED_BY_DLPIPE)
+        if len(history) != epoch:
+            rule = f"it must hold one record per finished epoch (epoch={epoch})"
+            raise mismatch(what, "history", history, rule, SAVED_BY_DLPIPE)
+        self.step, self.epoch, self.bad_steps, self.skipped_steps = (
+            step, epoch, bad_steps, skipped_steps
+        )  # fmt: skip
+        self.best_top1 = best_top1
         self.stats = EpochStats(**saved["stats"])
-        self.history = [dict(record) for record in saved["history"]]
+        self.history = [dict(record) for record in history]
+
+
+def _is_record(record: Any, epoch: int) -> bool:
+    """One epoch's history record: numbers (or None) by name, its ``epoch`` the one given."""
+    return (
+        isinstance(record, dict)
+        and record.get("epoch") == epoch
+        and is_int(record["epoch"])
+        and all(isinstance(key, str) for key in record)
+        and all(value is None or isinstance(value, int | float) for value in record.values())
+    )
 
 
 class EarlyStopping:
@@ -73,5 +111,8 @@ class EarlyStopping:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the best loss and the stale count (a resumed run may change `patience`)."""
-        saved = require_fields(state, ("best_loss", "stale_epochs"), "early stopping")
-        self.best_loss, self.stale_epochs = saved["best_loss"], int(saved["stale_epochs"])
+        what = "early stopping"
+        saved = require_fields(state, ("best_loss", "stale_epochs"), what)
+        best_loss = require_float(saved, "best_loss", what, optional=True)
+        self.stale_epochs = require_int(saved, "stale_epochs", what)
+        self.best_loss = best_loss

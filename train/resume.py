@@ -78,26 +78,63 @@ def restore(parts: RunParts, state: dict[str, Any], path: str = "the checkpoint"
     consumed over all ranks), and each rank's RNG streams are seeded afresh from (seed, step,
     rank): the saved ranks are not this run's, and augmentation does not use them (it is
     seeded per sample by seed, epoch and index).
+
+    A checkpoint is untrusted input: its own fields were checked when it was loaded
+    (`checkpoint.check_fields`), each part's are checked here before training starts (the
+    optimizer's and the schedule's values, then each plain part by its `load_state_dict`,
+    the loader's epoch against the trainer's, the RNG streams as they are set), and one that
+    does not fit is a `CheckpointError` naming the file, the field, the value and the rule.
     """
+    ckpt.check_fields(state, path)  # (again: a caller may pass a state it loaded itself)
+    ranks = state["ranks"]
+    same_ranks = len(ranks) == parts.dist.world_size
+    index = parts.dist.rank if same_ranks else 0
+    mine = ranks[index]
+    ckpt.check_optimizer_values(state, path, parts.optimizer, parts.scheduler)
+    plain = [
+        ("runner", parts.runner, state["runner"]),
+        ("trainer", parts.counters, state["trainer"]),
+        ("early_stop", parts.early_stop, state["early_stop"]),
+        (f"ranks[{index}].loader", parts.train_loader, mine["loader"]),
+    ]
+    for name, part, saved in plain:
+        try:
+            part.load_state_dict(saved)
+        except StateMismatchError as exc:
+            raise ckpt.CheckpointError(_refused(path, name, exc.problem)) from None
+    _check_same_epoch(parts, path, f"ranks[{index}].loader")
     unwrap(parts.model).load_state_dict(ckpt.strip_prefixes(state["model"]))
     parts.optimizer.load_state_dict(state["optimizer"])
     parts.scheduler.load_state_dict(state["scheduler"])
-    parts.runner.load_state_dict(state["runner"])
-    parts.counters.load_state_dict(state["trainer"])
-    parts.early_stop.load_state_dict(state["early_stop"])
-    ranks = state["ranks"]
-    same_ranks = len(ranks) == parts.dist.world_size
-    mine = ranks[parts.dist.rank] if same_ranks else ranks[0]
-    try:
-        parts.train_loader.load_state_dict(mine["loader"])
-    except StateMismatchError as exc:
-        raise ckpt.CheckpointError(
-            f"checkpoint {path} cannot continue this run's data: {exc}"
-        ) from None
     if same_ranks:
-        ckpt.set_rng_state(mine["rng"])
+        ckpt.set_rng_state(mine["rng"], path, f"ranks[{index}].rng")
     else:
         ckpt.reseed_rng(parts.config.run.seed, parts.counters.step, parts.dist.rank)
+
+
+_DATA_FIX = (
+    "resume on the dataset, split and seed it was trained with, from an earlier checkpoint "
+    "with --resume PATH, or start afresh in another --out"
+)
+
+
+def _refused(path: str, name: str, problem: str) -> str:
+    if name.endswith(".loader"):
+        return f"checkpoint {path} cannot continue this run's data ({name}): {problem}; {_DATA_FIX}"
+    return f"checkpoint {path} cannot be resumed ({name}): {problem}; {ckpt.FIX}"
+
+
+def _check_same_epoch(parts: RunParts, path: str, name: str) -> None:
+    """The loader's epoch is the trainer's: the pass a checkpoint holds is the epoch in
+    progress (or the next one, begun, when the trainer counted the last one finished)."""
+    order = getattr(parts.train_loader, "order", None)
+    epoch = getattr(order, "epoch", parts.counters.epoch)
+    if epoch != parts.counters.epoch:
+        problem = (
+            f"the saved loader state has epoch={epoch}: it must be the trainer's "
+            f"epoch={parts.counters.epoch}"
+        )
+        raise ckpt.CheckpointError(_refused(path, name, problem))
 
 
 def save(parts: RunParts, logger: RunLogger, reason: str, *, best: bool, phase: str) -> str:
@@ -141,4 +178,4 @@ def resume(parts: RunParts, console: Console, logger: RunLogger, manifest: Manif
     if saved_ranks != world_size:
         moved = f", saved by {saved_ranks} ranks, now on {world_size}"
     console.print(f"resumed from {escape(path)} (step {c.step}, epoch {c.epoch + 1}{moved})")
-    logger.event("resume", step=c.step, epoch=c.epoch, path=path, saved_world_size=saved_ranks)
+    logger.event("resume", step=c.step, epoch=c.epoch + 1, path=path, saved_world_size=saved_ranks)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlpipe.errors import DlpipeError
-from dlpipe.loading.state import require_fields
+from dlpipe.loading.state import (
+    SAVED_BY_DLPIPE,
+    mismatch,
+    require_fields,
+    require_float,
+    require_int,
+    require_like,
+)
 from dlpipe.loading.transforms import normalize
 from dlpipe.train.distributed import Distributed
 from dlpipe.train.metrics import EvalCounts, EvalResult
@@ -114,10 +122,20 @@ class StepRunner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; the backoff stays (the same memory needs the same cut)."""
-        saved = require_fields(state, ("scaler", "splits"), "step runner")
-        if saved["scaler"]:
-            self.scaler.load_state_dict(dict(saved["scaler"]))
-        self.splits = int(saved["splits"])
+        what = "step runner"
+        saved = require_fields(state, ("scaler", "splits"), what)
+        splits = require_int(saved, "splits", what, low=1)
+        if splits & (splits - 1):  # the backoff doubles it from 1
+            raise mismatch(what, "splits", splits, "it must be a power of 2", SAVED_BY_DLPIPE)
+        scaler = saved["scaler"]
+        if not isinstance(scaler, dict):
+            raise mismatch(what, "scaler", scaler, "it must be a dict", SAVED_BY_DLPIPE)
+        if scaler and self.scaler.is_enabled():
+            require_like(scaler, self.scaler.state_dict(), "scaler", what)
+            scale = {"scaler.scale": scaler["scale"]}  # 0 zeroes every gradient
+            require_float(scale, "scaler.scale", what, low=sys.float_info.min)
+            self.scaler.load_state_dict(dict(scaler))
+        self.splits = splits
 
     def run(self, batches: list[Batch]) -> StepResult:
         """One optimizer step over this rank's `batches`, retried smaller on out-of-memory."""

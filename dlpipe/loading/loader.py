@@ -237,15 +237,23 @@ class PreparedLoader(torch.utils.data.DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at `state` from the next ``iter(loader)`` on (see the module docstring).
 
+        Every field is checked before anything changes (`EpochSampler.load_state_dict`,
+        `StreamOrder.load_state_dict`: types, ranges, whole batches), so a refused state
+        leaves the loader where it was.
+
         Raises:
-            StateMismatchError: the state is from another dataset, split, seed or shuffle;
-                for wds also another world size or batch size.
+            StateMismatchError: a field that is not a position of this loader (named, with
+                its value and the rule), or a state from another dataset, split, seed or
+                shuffle; for wds also another world size or batch size.
         """
         saved = require_fields(state, ("dataset", "split"), "loader")
         fix = "load a state saved by a loader of the same dataset and split"
         for name, value in self._identity.items():
             require_equal(saved, name, value, "loader", fix)
-        self.order.load_state_dict(dict(saved))
+        if isinstance(self.order, EpochSampler):
+            self.order.load_state_dict(dict(saved), batches=True)
+        else:
+            self.order.load_state_dict(dict(saved))
         self._pass, self._generation = None, self._generation + 1
         if self._stream:
             self.close()  # persistent workers hold the old position: the next pass restarts them

@@ -32,7 +32,16 @@ import numpy as np
 import torch.utils.data
 
 from dlpipe.errors import ShardCountError
-from dlpipe.loading.state import StateMismatchError, require_equal, require_fields
+from dlpipe.loading.state import (
+    SAVED_BY_DLPIPE,
+    StateMismatchError,
+    is_int,
+    mismatch,
+    require_equal,
+    require_fields,
+    require_int,
+    shown,
+)
 from dlpipe.sample import Sample
 
 __all__ = [
@@ -47,6 +56,7 @@ __all__ = [
 ]
 
 _ELASTIC_FIX = "make the loader with the seed and shuffle of the run that saved it"
+MAX_EPOCH = 2**31 - 1  # no run reaches it: a larger epoch is damage, not a position
 
 
 def worker_part() -> tuple[int, int]:
@@ -124,11 +134,15 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
 
     def __len__(self) -> int:
         """This rank's samples per (whole) epoch, without drawing a permutation."""
-        n, world, block = self.num_samples, self.world_size, self.block
+        return self._count(self.num_samples)
+
+    def _count(self, left: int) -> int:
+        """This rank's indices of a pass over the permutation's last `left` samples."""
+        world, block = self.world_size, self.block
+        rounds, rest = divmod(left, block * world)
         if self.drop_last:
-            return n // world
-        rest = n % (block * world)
-        return n // (block * world) * block + min(block, max(0, rest - self.rank * block))
+            return rounds * block + rest // world
+        return rounds * block + min(block, max(0, rest - self.rank * block))
 
     def begin(self) -> None:
         """Fix the next pass: a loaded state, else the next epoch after one begun."""
@@ -180,32 +194,53 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
     def state_dict(self) -> dict[str, Any]:
         return self.state_at(self.epoch, self.start, self.drawn)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, batches: bool = False) -> None:
         """Continue at the saved position: with any world size, block or worker count at a
         batch boundary (``partial`` 0), else with the saved ones.
 
+        Args:
+            state: a `state_dict`.
+            batches: the state is a loader's, which counts whole batches of ``block``: it is
+                at a batch boundary or at the end of the pass.
+
         Raises:
-            StateMismatchError: another seed, shuffle or dataset length, or a mid-batch state
-                loaded with another world size or block.
+            StateMismatchError: a field that is not what this sampler saves (its type, its
+                range, the batch grid), another seed, shuffle or dataset length, or a
+                mid-batch state loaded with another world size or block.
         """
+        self.epoch, self.start, self.drawn = self._checked(state, batches)
+        self.armed = True
+
+    def _checked(self, state: Any, batches: bool) -> tuple[int, int, int]:
+        """(epoch, samples, partial) of a saved state, every field checked."""
+        what = "sampler"
         fields = ("epoch", "samples", "partial", "seed", "shuffle", "num_samples")
-        state = dict(require_fields(state, (*fields, "world_size", "block"), "sampler"))
-        require_equal(state, "seed", self.seed, "sampler", _ELASTIC_FIX)
-        require_equal(state, "shuffle", self.shuffle, "sampler", _ELASTIC_FIX)
-        require_equal(
-            state, "num_samples", self.num_samples, "sampler", "load it into the same split"
-        )
-        if state["partial"] and (state["world_size"], state["block"]) != (
-            self.world_size,
-            self.block,
-        ):
-            raise StateMismatchError(
-                f"the saved sampler state stopped {state['partial']} samples into a batch "
-                f"(partial={state['partial']}); it resumes only with the saved world_size="
-                f"{state['world_size']} and block={state['block']}: save at a batch boundary"
+        saved = require_fields(state, (*fields, "world_size", "block"), what)
+        require_equal(saved, "seed", self.seed, what, _ELASTIC_FIX)
+        require_equal(saved, "shuffle", self.shuffle, what, _ELASTIC_FIX)
+        require_equal(saved, "num_samples", self.num_samples, what, "load it into the same split")
+        world = require_int(saved, "world_size", what, low=1)
+        block = require_int(saved, "block", what, low=1)
+        epoch = require_int(saved, "epoch", what, high=MAX_EPOCH)
+        samples = require_int(saved, "samples", what, high=self.num_samples)
+        partial = require_int(saved, "partial", what, high=block - 1)
+        if partial and (world, block) != (self.world_size, self.block):
+            rule = (
+                f"a state {partial} samples into a batch resumes only with the saved "
+                f"world_size={world} and block={block}"
             )
-        self.epoch, self.start = int(state["epoch"]), int(state["samples"])
-        self.drawn, self.armed = int(state["partial"]), True
+            raise mismatch(what, "partial", partial, rule, "save at a batch boundary")
+        left = self._count(self.num_samples - samples)
+        if partial > left:
+            rule = f"this rank has {left} samples left after samples={samples}"
+            raise mismatch(what, "partial", partial, rule, SAVED_BY_DLPIPE)
+        if batches and partial not in (0, left):
+            rule = (
+                f"a loader's position is whole batches of {block} or the end of the pass "
+                f"({left} samples)"
+            )
+            raise mismatch("loader", "partial", partial, rule, SAVED_BY_DLPIPE)
+        return epoch, samples, partial
 
 
 Run = tuple[int, int]
@@ -475,88 +510,124 @@ class StreamOrder:
         """Continue with the samples the caller was not given; any worker count.
 
         Raises:
-            StateMismatchError: another seed, shuffle, dataset, world size or batch size, or
-                consumed runs outside this rank's run.
+            StateMismatchError: a field that is not what this order saves (its type, its
+                range, runs out of order, overlapping, outside this rank's run or not whole
+                batches), another seed, shuffle, dataset, world size or batch size.
         """
+        self.epoch, self.base, self.workers, self.consumed = self._checked(state)
+        self.armed = True
+
+    def _checked(self, state: Any) -> tuple[int, list[Run], int, list[Run]]:
+        """(epoch, base, workers, consumed) of a saved state, every field checked."""
+        what = "stream order"
         fields = ("epoch", "seed", "shuffle", "shard_sizes", "world_size", "batch_size")
-        state = dict(require_fields(state, fields, "stream order"))
-        require_equal(state, "seed", self.seed, "stream order", _ELASTIC_FIX)
-        require_equal(state, "shuffle", self.shuffle, "stream order", _ELASTIC_FIX)
-        state["shard_sizes"] = list(state["shard_sizes"])
+        saved = require_fields(state, fields, what)
+        require_equal(saved, "seed", self.seed, what, _ELASTIC_FIX)
+        require_equal(saved, "shuffle", self.shuffle, what, _ELASTIC_FIX)
+        require_equal(saved, "shard_sizes", self.shard_sizes, what, "load it into the same split")
         require_equal(
-            state, "shard_sizes", self.shard_sizes, "stream order", "load it into the same split"
-        )
-        require_equal(
-            state,
+            saved,
             "world_size",
             self.world_size,
-            "stream order",
+            what,
             "a wds stream gives each rank its own run of the epoch's shards, so the saved "
             "position fits only the saved world size: resume on that many ranks, or "
             "convert to lmdb or hdf5, which resume on any world size",
         )
         require_equal(
-            state,
+            saved,
             "batch_size",
             self.batch_size,
-            "stream order",
+            what,
             "each rank's samples per epoch are whole batches of the saved size: resume with it",
         )
-        epoch = int(state["epoch"])
-        if "cursors" in state and "consumed" not in state:  # dlpipe 0.1.0: per-shard prefixes
-            state |= {"base": [self.rank_range()], "workers": 0}
-            state["consumed"] = self._cursor_runs(epoch, state["cursors"])
-        state = dict(require_fields(state, ("base", "workers", "consumed"), "stream order"))
-        self.epoch, self.workers = epoch, self._checked_count(state["workers"])
-        self.base = self._checked_runs("base", state["base"])
-        pairs = zip(self.base, self.base[1:], strict=False)  # each run and the next
-        overlapping = [(a, b) for a, b in pairs if b[0] < a[1]]
-        if overlapping:
-            raise StateMismatchError(
-                f"the saved stream order state has base runs {overlapping[0]} out of order or "
-                "overlapping; load a state saved by this loader"
-            )
-        self.consumed = merge_runs(self._checked_runs("consumed", state["consumed"]))
-        self.armed = True
+        epoch = require_int(saved, "epoch", what, high=MAX_EPOCH)
+        if "cursors" in saved and "consumed" not in saved:  # dlpipe 0.1.0: per-shard prefixes
+            consumed = merge_runs(self._cursor_runs(epoch, saved["cursors"]))
+            self._check_inside("consumed", consumed, [self.rank_range()])
+            return epoch, [self.rank_range()], 0, consumed  # 0: any count splits anew
+        require_fields(saved, ("base", "workers", "consumed"), what)
+        workers = self._checked_count(saved["workers"])
+        base = self._checked_runs("base", saved["base"])
+        if self.equal_shares and _length(base) % self.batch_size:
+            rule = f"its {_length(base)} samples must be whole batches of {self.batch_size}"
+            raise mismatch(what, "base", saved["base"], rule, SAVED_BY_DLPIPE)
+        consumed = self._checked_runs("consumed", saved["consumed"])
+        self._check_inside("consumed", consumed, base)
+        if workers and self._off_grid(base, consumed):  # (0: a 0.1.0 state, saved again)
+            rule = f"the runs given to the caller must be whole batches of {self.batch_size}"
+            raise mismatch(what, "consumed", saved["consumed"], rule + " of base", SAVED_BY_DLPIPE)
+        return epoch, base, workers, merge_runs(consumed)
 
     def _cursor_runs(self, epoch: int, cursors: Any) -> list[Run]:
         """A 0.1.0 state's per-shard cursors (the first n samples of this rank's segment of
         each shard were given) as the runs of the stream they are."""
         starts = {s.shard: s.position for s in self.segments(epoch)}
         try:
-            return [(starts[int(shard)], starts[int(shard)] + int(n)) for shard, n in cursors]
+            pairs = [(shard, n) for shard, n in cursors]
+            if not all(is_int(shard) and is_int(n) and n >= 0 for shard, n in pairs):
+                raise TypeError("not integers")
+            return [(starts[int(shard)], starts[int(shard)] + int(n)) for shard, n in pairs]
         except (KeyError, TypeError, ValueError) as exc:
-            raise StateMismatchError(
-                f"the saved stream order state has cursors={cursors!r}, which are not this "
-                f"rank's shards; {_ELASTIC_FIX}"
-            ) from exc
+            problem = (
+                f"the saved stream order state has cursors={shown(cursors)}, which are not "
+                "this rank's shards"
+            )
+            raise StateMismatchError(f"{problem}; {_ELASTIC_FIX}", problem=problem) from exc
 
     def _checked_runs(self, name: str, value: Any) -> list[Run]:
-        """A state's runs: [start, stop] pairs inside this rank's run."""
-        lo, hi = self.rank_range()
-        try:
-            runs = [(int(start), int(stop)) for start, stop in value]
-        except (TypeError, ValueError) as exc:
-            raise StateMismatchError(
-                f"the saved stream order state has {name}={value!r}, not a list of "
-                "[start, stop] pairs; load a state saved by this loader"
-            ) from exc
-        outside = [run for run in runs if not lo <= run[0] < run[1] <= hi]
-        if outside:
-            raise StateMismatchError(
-                f"the saved stream order state has {name} runs {outside} outside this rank's "
-                f"samples [{lo}, {hi}); load a state saved by this rank of this loader"
+        """A state's runs: [start, stop] pairs of integers (start <= stop; empty ones
+        dropped), in order, none overlapping another, inside this rank's run."""
+        problem = f"the saved stream order state has {name}={shown(value)}, not a list of "
+        problem += "[start, stop] pairs of integers"
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(run, list | tuple) and len(run) == 2 and all(map(is_int, run))
+            for run in value
+        ):
+            raise StateMismatchError(f"{problem}; {SAVED_BY_DLPIPE}", problem=problem)
+        runs = [(int(start), int(stop)) for start, stop in value]
+        reversed_ = [run for run in runs if run[0] > run[1]]
+        if reversed_:
+            problem = f"the saved stream order state has {name} runs {reversed_} ending first"
+            raise StateMismatchError(f"{problem}; {SAVED_BY_DLPIPE}", problem=problem)
+        runs = [run for run in runs if run[0] < run[1]]  # (an empty rank's run is empty)
+        self._check_inside(name, runs, [self.rank_range()])
+        overlapping = [(a, b) for a, b in itertools.pairwise(runs) if b[0] < a[1]]
+        if overlapping:
+            problem = (
+                f"the saved stream order state has {name} runs {overlapping[0]} out of order "
+                "or overlapping"
             )
+            raise StateMismatchError(f"{problem}; {SAVED_BY_DLPIPE}", problem=problem)
         return runs
+
+    def _check_inside(self, name: str, runs: list[Run], within: list[Run]) -> None:
+        """Every run of `runs` is a run of positions in `within`."""
+        lo, hi = self.rank_range()
+        where = f"this rank's samples [{lo}, {hi})" if within == [(lo, hi)] else "base"
+        outside = [run for run in runs if _without([run], within)]
+        if outside:
+            problem = f"the saved stream order state has {name} runs {outside} outside {where}"
+            raise StateMismatchError(f"{problem}; {SAVED_BY_DLPIPE}", problem=problem)
+
+    def _off_grid(self, base: list[Run], consumed: list[Run]) -> bool:
+        """Whether `consumed` is not whole batches of `base` (each batch of a pass is
+        ``batch_size`` consecutive samples along it, the last one short in evaluation)."""
+        size, total, at = self.batch_size, _length(base), 0
+        spans = []  # the consumed positions as offsets along the base
+        for start, stop in base:
+            for lo, hi in consumed:
+                if max(lo, start) < min(hi, stop):
+                    spans.append((at + max(lo, start) - start, at + min(hi, stop) - start))
+            at += stop - start
+        return any(a % size or (b % size and b != total) for a, b in merge_runs(spans))
 
     @staticmethod
     def _checked_count(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise StateMismatchError(
-                f"the saved stream order state has workers={value!r}, not a worker count; "
-                "load a state saved by this loader"
-            )
-        return value
+        if not is_int(value) or not 0 <= value <= MAX_EPOCH:
+            problem = f"the saved stream order state has workers={shown(value)}, not a worker count"
+            raise StateMismatchError(f"{problem}; {SAVED_BY_DLPIPE}", problem=problem)
+        return int(value)
 
     def check_ranks(self, path: str, split: str) -> None:
         """Every rank needs at least one sample per epoch (training)."""
