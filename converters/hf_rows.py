@@ -18,6 +18,7 @@ from collections import Counter
 from typing import Any
 
 from dlpipe.annotations import encode_boxes
+from dlpipe.converters.column_keys import UniqueKeys, column_key
 from dlpipe.converters.hf_metadata import (
     NO_LABEL,
     UNLABELLED,
@@ -28,7 +29,6 @@ from dlpipe.converters.hf_metadata import (
 from dlpipe.converters.raw_tree import RawEntry
 from dlpipe.converters.source import SourceError, display_path, log
 from dlpipe.converters.table import jsonable
-from dlpipe.errors import InvalidKeyError
 from dlpipe.sample import make_key
 
 __all__ = [
@@ -110,29 +110,12 @@ def column_keys(rows: list[Row], column: str) -> list[tuple[str, str | None]]:
     value kept when the key had to be shortened. A value that is no string or number (empty,
     a list, a boolean) and a key twice in one split are a `SourceError` naming the row."""
     keys: list[tuple[str, str | None]] = []
-    first: dict[tuple[str | None, str], str] = {}  # (split, key) -> the row that made it
+    seen = UniqueKeys()
     for row in rows:
         value = row.values.get(column)
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        try:
-            if not _is_key_value(value):
-                raise InvalidKeyError("a key is made from a string or a number")
-            text = str(value)
-            key, shortened = make_key(text)
-        except InvalidKeyError as exc:
-            raise SourceError(
-                f"{row.origin}: {column} {value!r} cannot be a key ({exc}); fix the value, or give "
-                "another column with --key-col"
-            ) from None
-        where = first.setdefault((row.meta.split, key), row.origin)
-        if where != row.origin:
-            raise SourceError(
-                f"{row.origin}: key {display_path(text)!r} in column {column!r} is a duplicate "
-                f"(first in {where}); keys must be unique in a split: fix the column, or give "
-                "another column with --key-col"
-            )
-        keys.append((key, display_path(text) if shortened else None))
+        made = column_key(value, row.origin, column)
+        seen.add(row.meta.split, made, row.origin, column)
+        keys.append((made.key, made.original))
     return keys
 
 
@@ -159,12 +142,6 @@ def _in_split(rel: str, split: str | None) -> str:
     parts = rel.split("/")
     start = 1 if parts[0] == "data" else 0
     return "/".join(parts[start + 1 :]) or rel
-
-
-def _is_key_value(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    return isinstance(value, (str, int)) and not isinstance(value, bool)
 
 
 def _class_label_names(feature: Any) -> tuple[str, ...] | None:

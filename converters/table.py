@@ -73,6 +73,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from dlpipe.converters.column_keys import UniqueKeys, column_key
 from dlpipe.converters.raw_tree import Listings, RawTree
 from dlpipe.converters.source import (
     Item,
@@ -100,8 +101,6 @@ from dlpipe.converters.table_names import (
     string_columns,
 )
 from dlpipe.converters.table_paths import label_table, path_problem, shown_cell
-from dlpipe.errors import InvalidKeyError
-from dlpipe.sample import make_key
 
 __all__ = ["TABLE_SUFFIXES", "TableSource", "jsonable", "split_of_name"]
 
@@ -198,28 +197,15 @@ _Keyed = tuple[str, str | None]  # (key, the full id when the key was shortened)
 def _id_keys(scans: list[FileScan]) -> list[list[_Keyed]]:
     """Each row's key from its id column; SourceError on empty or duplicate ids."""
     out: list[list[_Keyed]] = []
-    seen: dict[tuple[str | None, str], str] = {}  # (split, key) -> where it was first
+    seen = UniqueKeys()
     for s in scans:
         keys: list[_Keyed] = []
+        column = str(s.columns.key)
         for row, value in enumerate(s.ids):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            text = "" if value is None else str(value)
-            try:
-                key, shortened = make_key(text)
-            except InvalidKeyError as exc:
-                raise SourceError(
-                    f"{s.name} row {row}: id {value!r} cannot be a key ({exc}); fill it in, or "
-                    f"rename the {s.columns.key!r} column"
-                ) from exc
-            keys.append((key, display_path(text) if shortened else None))
-            first = seen.setdefault((split_of_name(s.path), key), f"{s.name} row {row}")
-            if first != f"{s.name} row {row}":
-                raise SourceError(
-                    f"{s.name} row {row}: key {display_path(text)!r} in column "
-                    f"{s.columns.key!r} is a duplicate (first in {first}); keys must be "
-                    "unique: fix the ids, or give another column with --key-col"
-                )
+            where = f"{s.name} row {row}"
+            made = column_key(value, where, column)
+            seen.add(split_of_name(s.path), made, where, column)
+            keys.append((made.key, made.original))
         out.append(keys)
     return out
 

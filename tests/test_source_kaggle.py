@@ -70,7 +70,8 @@ def test_key_col_duplicates_and_unknown_columns_are_one_clear_error(tmp_path) ->
         TableSource(str(raw / "train.csv"), options).scan()
     assert str(err.value) == (
         "train.csv row 1: key 'p1' in column 'patient' is a duplicate (first in train.csv row "
-        "0); keys must be unique: fix the ids, or give another column with --key-col"
+        "0); keys must be unique in a split: fix the column, or give another column with "
+        "--key-col"
     )
     with pytest.raises(SourceError, match=r"--key-col 'nope' is not a column; the columns are"):
         TableSource(
