@@ -21,14 +21,13 @@ tars that read as WebDataset shards is no archive: the ``webdataset`` source rea
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 from dlpipe import storage
 from dlpipe.converters.archives import (
@@ -37,61 +36,17 @@ from dlpipe.converters.archives import (
     archive_kind,
     index_archive,
     looks_like_shard,
-    member_file,
-    read_member,
     refuse_unreadable_archive,
     top_names,
 )
-from dlpipe.converters.source import (
-    SampleError,
-    SourceError,
-    display_path,
-    is_ignored_name,
-    open_regular,
-    read_file,
-)
+from dlpipe.converters.source import SourceError, display_path, is_ignored_name
+from dlpipe.converters.view_targets import VIEW_MAP, load_map, views_root
 
-__all__ = ["Target", "View", "shown_path", "target_of", "unpacked_view"]
+__all__ = ["View", "unpacked_view"]
 
 log = logging.getLogger("dlpipe")
 
-_VIEWS = "raw-views"
 _MAX_EXAMPLES = 20
-
-
-def _views_root() -> str:
-    """The real path of the views' folder (every raw read asks: two lookups, then cached)."""
-    return _real_views_root(os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
-
-
-@functools.lru_cache(maxsize=4)
-def _real_views_root(cache: str | None, home: str | None) -> str:
-    del cache, home  # the cache's key: user_cache reads them
-    return os.path.realpath(storage.user_cache(_VIEWS))  # walks build paths from real paths
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a view's placeholder stands for: a file of RAW, or an archive member."""
-
-    shown: str
-    size: int
-    raw_file: str | None = None
-    raw_folder: str | None = None
-    archive: tuple[str, str, tuple[int, int], str | None] | None = None  # path, kind, stamp, gzi
-    member: Member | None = None
-
-    def read(self) -> bytes:
-        if self.raw_file is not None:
-            return read_file(self.raw_file, self.raw_folder)
-        assert self.archive is not None and self.member is not None
-        return read_member(*self.archive[:3], self.member, self.archive[3])
-
-    def open(self) -> IO[bytes]:
-        if self.raw_file is not None:
-            return open_regular(self.raw_file, self.raw_folder)
-        assert self.archive is not None and self.member is not None
-        return member_file(*self.archive[:3], self.member, self.archive[3])
 
 
 @dataclass(frozen=True)
@@ -150,7 +105,7 @@ def unpacked_view(raw: str) -> View | None:
             f"{display_path(given)} does not exist: {display_path(base)} holds no "
             f"{display_path(rest)}; give the archive, or a folder it holds"
         )
-    built = _load_map(view)
+    built = load_map(view)
     return View(
         root=root,
         archives=tuple(display_path(a) for a in archives),
@@ -226,7 +181,7 @@ class _Builder:
         }
         text = json.dumps(listing, sort_keys=True, ensure_ascii=False)
         digest = hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:20]
-        view = os.path.join(_views_root(), digest)
+        view = os.path.join(views_root(), digest)
         if not os.path.isdir(view):
             _make_view(view, text, self.files, self.folders)
         return view
@@ -320,7 +275,7 @@ def _indexed(path: str) -> tuple[Archive, str | None]:
     info = os.stat(path)
     key = f"{os.path.realpath(path)}\0{info.st_size}\0{info.st_mtime_ns}"
     digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:20]
-    folder = os.path.join(_views_root(), "indexes")
+    folder = os.path.join(views_root(), "indexes")
     listing = os.path.join(folder, f"{digest}.json")
     gzi = os.path.join(folder, f"{digest}.gzi") if archive_kind(path) == "tgz" else None
     try:
@@ -368,7 +323,7 @@ def _make_view(view: str, text: str, files: dict[str, list[Any]], folders: set[s
                 os.ftruncate(fd, size)  # sparse: no data, the size the scan plans with
             finally:
                 os.close(fd)
-        with open(os.path.join(staging, ".dlpipe-view.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(staging, VIEW_MAP), "w", encoding="utf-8") as f:
             f.write(text)
         os.rename(staging, view)
     except OSError as exc:
@@ -379,69 +334,3 @@ def _make_view(view: str, text: str, files: dict[str, list[Any]], folders: set[s
                 f"({exc.strerror or exc}); set XDG_CACHE_HOME to a writable folder with free "
                 "inodes, or unpack the archives and convert the folder"
             ) from None
-
-
-@functools.lru_cache(maxsize=4)
-def _load_map(view: str) -> dict[str, Any]:
-    with open(os.path.join(view, ".dlpipe-view.json"), encoding="utf-8") as f:
-        loaded: dict[str, Any] = json.load(f)
-    return loaded
-
-
-def _split(path: str) -> tuple[str, str] | None:
-    """(the view folder, the path in it) for a path inside a view; None otherwise."""
-    root = _views_root() + os.sep
-    if not path.startswith(root):
-        return None
-    digest, _, rel = path[len(root) :].partition(os.sep)
-    if digest == "indexes" or not digest:
-        return None
-    return os.path.join(root, digest), rel
-
-
-def target_of(path: str) -> Target | None:
-    """What the view's placeholder `path` stands for; None for a path in no view.
-
-    Raises:
-        SampleError: `path` lies in a view but is no file of it.
-    """
-    found = _split(path if path.startswith(os.sep) else os.path.abspath(path))
-    if found is None:
-        return None
-    view, rel = found
-    try:
-        listing = _load_map(view)
-    except (OSError, ValueError) as exc:
-        raise SampleError(f"{path}: the unpacked view is gone ({exc}); convert again") from None
-    entry = listing["files"].get(rel.replace(os.sep, "/"))
-    if entry is None:
-        raise SampleError(f"{shown_path(path)}: no file of the archives or the raw folder")
-    number, where, size = entry
-    if number < 0:
-        real = listing["real"]
-        raw_file = os.path.join(real, rel)
-        return Target(raw_file, size, raw_file=raw_file, raw_folder=os.path.realpath(real))
-    apath, kind, stamp, gzi = listing["archives"][number]
-    return Target(
-        f"{apath}/{rel}",
-        size,
-        archive=(apath, kind, (stamp[0], stamp[1]), gzi),
-        member=Member(rel, size, where),
-    )
-
-
-def shown_path(path: str) -> str:
-    """`path` as the user knows it: a view's path as its archive member or raw file, the
-    view's folders as the raw folder's (unchanged outside views)."""
-    found = _split(os.path.abspath(path)) if path.startswith(os.sep) else None
-    if found is None:
-        return path
-    view, rel = found
-    try:
-        listing = _load_map(view)
-    except (OSError, ValueError):
-        return path
-    entry = listing["files"].get(rel.replace(os.sep, "/"))
-    if entry is not None and entry[0] >= 0:
-        return f"{listing['archives'][entry[0]][0]}/{rel}"
-    return os.path.join(listing["base"], rel) if rel else listing["base"]

@@ -10,7 +10,7 @@ once, and any member read in place, without unpacking the archive.
   and read at its offset.
 - A **gzip-compressed tar** has no random access of its own: the scan decompresses it once
   with ``indexed_gzip``, which keeps a seek point (32 KiB of inflate window) every
-  `_GZ_SPACING` bytes of the tar, so a member costs at most that much decompression. The
+  `GZ_SPACING` bytes of the tar, so a member costs at most that much decompression. The
   index is saved beside the listing, and each worker process imports it. A stream that
   inflates to more than `_MAX_GZ_RATIO` times its size (a gzip bomb) is refused.
 
@@ -28,44 +28,39 @@ import contextlib
 import itertools
 import os
 import tarfile
-import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
-from dlpipe.converters.source import SampleError, SourceError, display_path
+from dlpipe.converters.source import SourceError, display_path
 from dlpipe.converters.wds_tars import KEY_EXT
 from dlpipe.formats.wds import RefusedHeaderError, StrictTarInfo
 
 __all__ = [
+    "GZ_SPACING",
     "Archive",
     "Member",
     "archive_kind",
     "index_archive",
     "looks_like_shard",
-    "member_file",
-    "read_member",
     "refuse_unreadable_archive",
     "top_names",
 ]
 
-_GZ_SPACING = 1 << 20  # a member read decompresses at most this much more than its size
+GZ_SPACING = 1 << 20  # a member read decompresses at most this much more than its size
 _MAX_GZ_RATIO = 1032  # deflate's best ratio: more out of a gzip stream is a bomb
 _MAX_ZIP_RATIO = 1032
-_CHUNK = 1 << 20
 _PEEK = 64  # tar members looked at to tell a WebDataset shard from a packed folder
-_UNREADABLE = {
-    ".tar.bz2": "bunzip2 -k",
-    ".tbz2": "bunzip2 -k",
-    ".tbz": "bunzip2 -k",
-    ".tar.xz": "unxz -k",
-    ".txz": "unxz -k",
-    ".tar.zst": "zstd -d",
-    ".tzst": "zstd -d",
+_UNREADABLE = {  # suffix -> the command that makes it readable
+    **dict.fromkeys((".tar.bz2", ".tbz2", ".tbz"), "bunzip2 -k"),
+    **dict.fromkeys((".tar.xz", ".txz"), "unxz -k"),
+    **dict.fromkeys((".tar.zst", ".tzst"), "zstd -d"),
     ".tar.lz4": "lz4 -d",
+    ".7z": "7z x",
+    ".rar": "unrar x",
 }
-_UNPACK_ONLY = {".7z": "7z x", ".rar": "unrar x"}
+_UNPACK_ONLY = (".7z", ".rar")  # the others are tars without random access: decompress them
 _LINK_TYPES = {
     tarfile.SYMTYPE: "a symbolic link in the archive (links are not followed)",
     tarfile.LNKTYPE: "a hard link in the archive (links are not followed)",
@@ -92,20 +87,17 @@ def refuse_unreadable_archive(path: str) -> None:
     """A `SourceError` for an archive dlpipe cannot read in place, with the command that
     makes it readable; nothing for any other file."""
     lower = path.lower()
-    for suffix, command in _UNREADABLE.items():
-        if lower.endswith(suffix):
-            raise SourceError(
-                f"{display_path(path)}: a {suffix} archive has no random access that dlpipe "
-                f"can use; decompress it to a plain .tar (`{command} {display_path(path)}`), "
-                "which convert reads in place, and convert again"
-            )
-    for suffix, command in _UNPACK_ONLY.items():
-        if lower.endswith(suffix):
-            raise SourceError(
-                f"{display_path(path)}: dlpipe reads .zip, .tar and .tar.gz archives in place, "
-                f"not {suffix}; unpack it (`{command} {display_path(path)}`) and convert the "
-                "folder"
-            )
+    suffix = next((s for s in _UNREADABLE if lower.endswith(s)), None)
+    if suffix is None:
+        return
+    command = f"`{_UNREADABLE[suffix]} {display_path(path)}`"
+    if suffix not in _UNPACK_ONLY:
+        why = "has no random access that dlpipe can use"
+        fix = f"decompress it to a plain .tar ({command}), which convert reads in place"
+    else:
+        why = "is not an archive dlpipe reads in place (.zip, .tar, .tar.gz)"
+        fix = f"unpack it ({command}) and convert the folder"
+    raise SourceError(f"{display_path(path)}: a {suffix} archive {why}; {fix}")
 
 
 @dataclass(frozen=True)
@@ -258,7 +250,7 @@ def _tar_of(path: str, kind: str) -> Iterator[tuple[Any, tarfile.TarFile]]:
         import indexed_gzip
 
         stream = indexed_gzip.IndexedGzipFile(
-            path, spacing=_GZ_SPACING, buffer_size=1 << 16, drop_handles=False
+            path, spacing=GZ_SPACING, buffer_size=1 << 16, drop_handles=False
         )
     with stream, tarfile.open(fileobj=stream, mode="r:", tarinfo=StrictTarInfo) as tar:
         yield stream, tar
@@ -309,108 +301,3 @@ def looks_like_shard(path: str) -> bool:
         and ((i > 0 and keys[i - 1] == key) or (i + 1 < len(keys) and keys[i + 1] == key))
     )
     return grouped > 0 and 2 * grouped >= len(keys)
-
-
-class _Open:
-    """The archives this process has open, each checked against its listing's stamp."""
-
-    def __init__(self) -> None:
-        self._files: dict[tuple[str, tuple[int, int]], Any] = {}
-
-    def get(self, path: str, kind: str, stamp: tuple[int, int], gz_index: str | None) -> Any:
-        key = (path, stamp)
-        found = self._files.get(key)
-        if found is None:
-            if len(self._files) >= 8:
-                self.close()
-            found = self._open(path, kind, stamp, gz_index)
-            self._files[key] = found
-        return found
-
-    @staticmethod
-    def _open(path: str, kind: str, stamp: tuple[int, int], gz_index: str | None) -> Any:
-        f = open(path, "rb")  # noqa: SIM115 (kept open for the process's later reads)
-        info = os.fstat(f.fileno())
-        if (info.st_size, info.st_mtime_ns) != stamp:
-            f.close()
-            raise SampleError(
-                f"{display_path(path)}: changed since the scan (its size or time differs); "
-                "convert again"
-            )
-        if kind == "zip":
-            return zipfile.ZipFile(f)
-        if kind == "tar":
-            return f
-        f.close()
-        import indexed_gzip
-
-        return indexed_gzip.indexed_gzip._IndexedGzipFile(  # unbuffered: exact reads
-            path, spacing=_GZ_SPACING, index_file=gz_index, drop_handles=False
-        )
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-
-
-_OPEN = _Open()
-
-
-def read_member(
-    path: str, kind: str, stamp: tuple[int, int], member: Member, gz_index: str | None
-) -> bytes:
-    """A member's bytes, read in place (a SampleError naming `path` and the member when the
-    archive changed or its data is damaged)."""
-    data = bytearray()
-    _copy_member(path, kind, stamp, member, gz_index, data.extend)
-    return bytes(data)
-
-
-def member_file(
-    path: str, kind: str, stamp: tuple[int, int], member: Member, gz_index: str | None
-) -> IO[bytes]:
-    """A member as a real file (an unlinked temporary one, so ``fileno``, ``fstat`` and
-    ``mmap`` work as on the file unpacked), copied in bounded memory."""
-    f = tempfile.TemporaryFile()  # noqa: SIM115 (the caller closes it)
-    try:
-        _copy_member(path, kind, stamp, member, gz_index, f.write)
-    except BaseException:
-        f.close()
-        raise
-    f.seek(0)
-    return f
-
-
-def _copy_member(
-    path: str,
-    kind: str,
-    stamp: tuple[int, int],
-    member: Member,
-    gz_index: str | None,
-    write: Callable[[bytes], Any],
-) -> None:
-    shown = f"{display_path(path)}: member {display_path(member.name)}"
-    copied = 0
-    try:
-        f = _OPEN.get(path, kind, stamp, gz_index)
-        if kind == "zip":
-            with f.open(f.infolist()[member.where]) as stream:
-                while chunk := stream.read(min(_CHUNK, member.size + 1 - copied)):
-                    write(chunk)
-                    copied += len(chunk)
-        else:
-            while copied < member.size:
-                f.seek(member.where + copied)
-                chunk = f.read(min(_CHUNK, member.size - copied))
-                if not chunk:
-                    break
-                write(chunk)
-                copied += len(chunk)
-    except SampleError:
-        raise
-    except Exception as exc:  # zipfile's, tarfile's, indexed_gzip's ZranError and CrcError
-        _OPEN.close()
-        raise SampleError(f"{shown} cannot be read ({type(exc).__name__}: {exc})") from None
-    if copied != member.size:
-        raise SampleError(f"{shown} holds {copied} bytes, not the {member.size} listed")

@@ -266,7 +266,7 @@ def display_path(path: str) -> str:
 
 
 def _view_path_shown(path: str) -> str:
-    from dlpipe.converters.archive_view import shown_path  # the view reads through this module
+    from dlpipe.converters.view_targets import shown_path  # it reads through this module
 
     return shown_path(path)
 
@@ -327,7 +327,7 @@ def open_regular(path: str, folder: str | None = None) -> IO[bytes]:
     Raises:
         SampleError: the file is missing, unreadable, outside `folder` or not a regular file.
     """
-    from dlpipe.converters.archive_view import target_of
+    from dlpipe.converters.view_targets import target_of
 
     placeholder = target_of(path)
     if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)
@@ -370,7 +370,7 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
         SampleError: the file cannot be read, is not a regular file, lies outside `folder`,
             or is over `max_bytes`.
     """
-    from dlpipe.converters.archive_view import target_of
+    from dlpipe.converters.view_targets import target_of
 
     placeholder = target_of(path)
     if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)

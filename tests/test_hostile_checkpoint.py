@@ -141,24 +141,6 @@ CHECKPOINT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("craft", "message"),
-    [case[1:] for case in CHECKPOINT_CASES],
-    ids=[case[0] for case in CHECKPOINT_CASES],
-)
-def test_a_crafted_checkpoint_field_is_one_error_line_and_nothing_is_touched(
-    craft, message, template, colours, tmp_path, capsys
-) -> None:
-    run = crafted_run(template, tmp_path, craft)
-    path = run / "checkpoints" / "step-00000004.pt"
-    before = folder(run)
-    metrics = (run / "metrics.jsonl").read_bytes()
-    assert train(colours, run, "--epochs", "3", "--resume", str(path)) == 2
-    line = one_error(capsys)
-    assert f"checkpoint {path} has " in line and message in line and FIX in line, line
-    assert folder(run) == before and no_step_logged(run, metrics)
-
-
 PART_CASES = [
     # the trainer's counters: what used to fail after a whole epoch, or go on wrong
     ("best-top1-string", setter("trainer", "best_top1", value="high"), "best_top1='high': it"),
@@ -232,11 +214,15 @@ PART_CASES = [
 
 
 @pytest.mark.parametrize(
-    ("craft", "message"), [case[1:] for case in PART_CASES], ids=[case[0] for case in PART_CASES]
+    ("craft", "message"),
+    [case[1:] for case in CHECKPOINT_CASES + PART_CASES],
+    ids=[case[0] for case in CHECKPOINT_CASES + PART_CASES],
 )
-def test_a_crafted_part_of_a_checkpoint_is_refused_before_the_first_step(
+def test_a_crafted_checkpoint_field_is_one_error_line_and_nothing_is_touched(
     craft, message, template, colours, tmp_path, capsys
 ) -> None:
+    """The checkpoint's own fields and its parts' (what used to fail after a whole epoch)
+    are refused before the first step."""
     run = crafted_run(template, tmp_path, craft)
     path = run / "checkpoints" / "step-00000004.pt"
     before = folder(run)

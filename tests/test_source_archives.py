@@ -30,8 +30,9 @@ from test_source_coco import make_coco
 from test_source_voc import make_voc
 
 from dlpipe.cli import main
-from dlpipe.converters.archive_view import target_of, unpacked_view
+from dlpipe.converters.archive_view import unpacked_view
 from dlpipe.converters.source import SampleError
+from dlpipe.converters.view_targets import target_of
 from dlpipe.manifest import MANIFEST_NAME
 from dlpipe.sample import unescape_key
 
@@ -91,29 +92,29 @@ def dataset_of(out: Path) -> dict:
     return {"shards": shards, **kept}
 
 
-def _food(tmp: Path) -> tuple[Path, Path]:
-    make_food101(tmp / "plain")
-    make_food101(tmp / "packed")
-    return tmp / "plain" / "food-101", pack(tmp / "packed", ["food-101"], tmp / "food-101.tar.gz")
+def _packed_whole(make, top: str, archive: str, *, plain_top: bool, in_folder: bool = False):
+    """A dataset whose download is one archive of its top folder `top`: the unpacked copy
+    (`top` itself when `plain_top`, else the folder holding it), and the archive as RAW (or,
+    `in_folder`, the folder holding it)."""
+
+    def build(tmp: Path) -> tuple[Path, Path]:
+        make(tmp / "plain")
+        make(tmp / "packed")
+        plain = tmp / "plain" / top if plain_top else tmp / "plain"
+        if in_folder:
+            pack(tmp / "packed", [top], tmp / "packed" / archive)
+            return plain, tmp / "packed"
+        return plain, pack(tmp / "packed", [top], tmp / archive)
+
+    return build
 
 
-def _food_in_folder(tmp: Path) -> tuple[Path, Path]:
-    make_food101(tmp / "plain")
-    make_food101(tmp / "packed")
-    pack(tmp / "packed", ["food-101"], tmp / "packed" / "food-101.tar.gz")
-    return tmp / "plain", tmp / "packed"
-
-
-def _food_zip(tmp: Path) -> tuple[Path, Path]:
-    make_food101(tmp / "plain")
-    make_food101(tmp / "packed")
-    return tmp / "plain" / "food-101", pack(tmp / "packed", ["food-101"], tmp / "food-101.zip")
-
-
-def _cub(tmp: Path) -> tuple[Path, Path]:
-    make_cub(tmp / "plain")
-    make_cub(tmp / "packed")
-    return tmp / "plain", pack(tmp / "packed", ["CUB_200_2011"], tmp / "CUB_200_2011.tgz")
+_food = _packed_whole(make_food101, "food-101", "food-101.tar.gz", plain_top=True)
+_food_in_folder = _packed_whole(
+    make_food101, "food-101", "food-101.tar.gz", plain_top=False, in_folder=True
+)
+_food_zip = _packed_whole(make_food101, "food-101", "food-101.zip", plain_top=True)
+_cub = _packed_whole(make_cub, "CUB_200_2011", "CUB_200_2011.tgz", plain_top=False)
 
 
 def _pets(tmp: Path) -> tuple[Path, Path]:
@@ -150,10 +151,7 @@ def _coco(tmp: Path) -> tuple[Path, Path]:
     return tmp / "plain", root
 
 
-def _voc(tmp: Path) -> tuple[Path, Path]:
-    make_voc(tmp / "plain")
-    make_voc(tmp / "packed")
-    return tmp / "plain", pack(tmp / "packed", ["VOCdevkit"], tmp / "VOCtrainval_11-May-2012.tar")
+_voc = _packed_whole(make_voc, "VOCdevkit", "VOCtrainval_11-May-2012.tar", plain_top=False)
 
 
 def _classes_zip(tmp: Path) -> tuple[Path, Path]:
@@ -397,9 +395,9 @@ def test_a_member_changed_after_the_scan_is_refused_not_misread(tmp_path: Path) 
     assert stat.S_ISREG(os.stat(placeholder).st_mode)
     with zipfile.ZipFile(tmp_path / "x.zip", "a") as zf:
         zf.writestr("cat/2.jpg", jpeg(2))
-    from dlpipe.converters import archives
+    from dlpipe.converters import archive_reads
 
-    archives._OPEN.close()
+    archive_reads._OPEN.close()
     with pytest.raises(SampleError, match="changed since the scan"):
         target.read()
 
