@@ -34,7 +34,7 @@ from dlpipe.converters.sources import SOURCE_KINDS
 from dlpipe.errors import DlpipeError
 from dlpipe.formats import FORMATS
 from dlpipe.formats.writer import DUPLICATES_NAME, ERRORS_NAME
-from dlpipe.machine import usable_cpus
+from dlpipe.machine import usable_cpus, worker_limit
 from dlpipe.turbojpeg import region_library
 from dlpipe.unfinished import CONVERT_OPTION_FLAGS
 
@@ -334,6 +334,17 @@ class EngineConfig(_Checked):
     ray_address: str | None = option(
         "Ray cluster address (default: start or find one)", default=None
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind == "local":
+            limit = worker_limit()
+            if self.workers > limit.workers:
+                raise ConvertOptionError(
+                    f"argument --workers: {self.workers} worker processes are more than this "
+                    f"machine can run ({limit.workers}: {limit.reason}); give --workers "
+                    f"{limit.workers} or fewer"
+                )
 
 
 _GROUPS: dict[str, type] = {

@@ -447,3 +447,18 @@ def test_a_transform_that_never_returns_does_not_keep_the_process_alive(
     )
     assert done.returncode == 0, done.stderr
     assert "first" in done.stdout and "closed" in done.stdout
+
+
+@pytest.mark.parametrize("workers", ["100000", str(2**63)])
+def test_convert_workers_past_the_machine_are_one_error_line(tmp_path, capsys, workers) -> None:
+    from dlpipe.machine import worker_limit
+    from dlpipe.synthetic import split_samples, write_imagefolder
+
+    write_imagefolder(str(tmp_path / "raw"), split_samples(8, seed=1, val_fraction=0.25))
+    out = tmp_path / "out"
+    command = ["convert", str(tmp_path / "raw"), "--to", "wds", "--out", str(out)]
+    assert main([*command, "--workers", workers]) == 2
+    line = one_error(capsys)
+    assert f"--workers {worker_limit().workers} or fewer" in line and workers in line
+    assert not out.exists()
+    assert main([*command, "--workers", str(worker_limit().workers)]) == 0
