@@ -6,6 +6,10 @@ its workers must not die of, or print a traceback for, a signal meant for it. An
 killed with SIGKILL (the OOM killer, ``kill -9``) runs no cleanup, so each child must notice
 by itself. The loader's workers, convert's pool workers and torchrun with its ranks share
 these pieces.
+
+An error a DataLoader worker raised comes back wrapped (torch re-raises it in the main process
+as the same class holding "Caught X in DataLoader worker process N" and the worker's
+traceback); `original_message` gives back its own one-line message.
 """
 
 from __future__ import annotations
@@ -13,16 +17,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-__all__ = ["STOP_SIGNALS", "die_with_parent", "stop_signals_blocked", "watch_parent"]
+__all__ = [
+    "STOP_SIGNALS",
+    "die_with_parent",
+    "original_message",
+    "stop_signals_blocked",
+    "watch_parent",
+]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# torch.utils.data's ExceptionWrapper.reraise: "Caught {type} {where}.\nOriginal {traceback}"
+_WRAPPED = re.compile(r"Caught \w+ in [^\n]*\.\nOriginal Traceback \(most recent call last\):\n")
 
 
 @contextlib.contextmanager
@@ -77,3 +90,17 @@ def watch_parent(parent_pid: int, on_death: Callable[[], None], every_s: float) 
     thread = threading.Thread(target=poll, name="dlpipe-parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+def original_message(exc: BaseException) -> str:
+    """`exc`'s own message, also when a DataLoader worker (process or pin-memory thread)
+    raised it: then the last line(s) of the worker's traceback, after the class's name."""
+    text = str(exc)
+    if not _WRAPPED.match(text):
+        return text
+    cls = type(exc)
+    for name in (f"{cls.__module__}.{cls.__qualname__}: ", f"{cls.__qualname__}: "):
+        where = text.rfind("\n" + name)
+        if where >= 0:
+            return text[where + 1 + len(name) :].strip()
+    return text.strip().splitlines()[-1]

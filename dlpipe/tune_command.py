@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dlpipe.cli import non_negative_int, positive_float, positive_int
+from dlpipe.cli import non_negative_int, positive_float, positive_int, printable
 from dlpipe.loading.config import LoaderConfig
 from dlpipe.loading.profile import ProfileSaveError
 
@@ -119,7 +119,7 @@ def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
         except (OSError, ValueError) as exc:  # a bad --plot path must not hide the results
             failure = failure or f"could not write the plot {args.plot}: {exc}; fix --plot"
     if failure is not None:
-        print(f"error: {failure}", file=sys.stderr)
+        print(f"error: {printable(str(failure))}", file=sys.stderr)
         return 1
     return 0
 

@@ -112,22 +112,24 @@ def run_train(args: argparse.Namespace, console: Console) -> int:
     checkpoint could be written."""
     from dlpipe.train.signals import Interrupted, startup_guard
 
+    # a rank, or the `dlpipe` process itself (not a caller's): its stop signals are its own
+    owns_process = "LOCAL_RANK" in os.environ or getattr(args, "argv", None) == sys.argv[1:]
     try:
-        with startup_guard():
+        with startup_guard(owns_process=owns_process) as guard:
             from dlpipe.train.config import load_config
 
             config = load_config(args.config, overrides(args))
             if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
-                return _preflight_and_launch(config, args)
-            return _train_here(config, console)
+                return _preflight_and_launch(config, args, guard)
+            return _train_here(config, console, guard)
     except Interrupted as stop:
         return _interrupted(stop.name, stop.exit_code)
     except KeyboardInterrupt:
         return _interrupted("SIGINT", 130)
 
 
-def _interrupted(name: str, code: int) -> int:
-    if os.environ.get("RANK", "0") == "0":
+def _interrupted(name: str, code: int, report: bool | None = None) -> int:
+    if os.environ.get("RANK", "0") == "0" if report is None else report:
         print(
             f"error: stopped by {name} before the next checkpoint; run the same command again "
             "to resume from the last one (or to start, if there is none)",
@@ -136,46 +138,74 @@ def _interrupted(name: str, code: int) -> int:
     return code
 
 
-def _train_here(config: Any, console: Console) -> int:
-    from dlpipe.errors import DlpipeError
-    from dlpipe.train.distributed import DistributedError
-    from dlpipe.train.step import TrainingError
+def _train_here(config: Any, console: Console, guard: Any) -> int:
     from dlpipe.train.trainer import Trainer
 
-    main_rank = os.environ.get("RANK", "0") == "0"
     quiet = os.environ.get("DLPIPE_TRAIN_PREFLIGHT") == "1"  # the launcher warned already
+    trainer = None
     try:
         trainer = Trainer(config, console, warn=(lambda text: None) if quiet else None)
-        try:
-            summary = trainer.fit()
-        finally:
+        summary = trainer.fit()
+    except BaseException as exc:
+        code = _failed(exc, trainer)  # reported before `close` lets the other ranks fail
+        if code is None:
+            raise
+        return code
+    finally:
+        guard.settle()  # the outcome is decided: a stop signal now changes nothing
+        if trainer is not None:
             trainer.close()
-    except DistributedError as exc:  # each rank names itself and what it waited for
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except TrainingError as exc:  # the run itself failed (diverged, out of memory)
-        _error(exc, main_rank)
-        return 1
-    except DlpipeError as exc:
-        if "LOCAL_RANK" not in os.environ:
-            raise  # dlpipe.cli prints it, exit 2
-        _error(exc, main_rank)  # under torchrun: one line from rank 0, not one per rank
-        return 2
     if summary.stopped in ("completed", "early_stop") and summary.last_val:
         _print_summary(summary, trainer.console)
     return 0
 
 
+def _failed(exc: BaseException, trainer: Any) -> int | None:
+    """Print the run's one ``error:`` line if this rank is the first to fail (rank 0 where
+    that cannot be known), and return the exit code; None for an error that is not dlpipe's.
+
+    A DataLoader worker's error is printed as its own message, not torch's wrapping of it;
+    a rank whose collective failed because a second Ctrl-C stopped the others at once was
+    stopped by that Ctrl-C too."""
+    from dlpipe.cli import printable
+    from dlpipe.errors import DlpipeError
+    from dlpipe.processes import original_message
+    from dlpipe.train.distributed import DistributedError
+    from dlpipe.train.signals import Interrupted
+    from dlpipe.train.step import TrainingError
+
+    main_rank = os.environ.get("RANK", "0") == "0"
+    dist = getattr(trainer, "dist", None)
+    stopped = getattr(getattr(trainer, "signals", None), "interrupted", None)
+    if isinstance(exc, DistributedError) and stopped is not None:
+        exc = stopped
+    if isinstance(exc, KeyboardInterrupt):
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        first, code = (
+            (main_rank, stop.exit_code) if dist is None else dist.report(stop.exit_code, main_rank)
+        )
+        return _interrupted(stop.name, code, first)
+    if isinstance(exc, DistributedError):  # it names this rank, what it waited for and who
+        code, default = 1, True
+    elif isinstance(exc, TrainingError):  # the run itself failed (diverged, out of memory)
+        code, default = 1, main_rank
+    elif isinstance(exc, DlpipeError | OSError):  # bad input; the OS's word (as dlpipe.cli)
+        code, default = 2, main_rank
+    else:
+        return None
+    first, code = (default, code) if dist is None else dist.report(code, default)
+    if first:
+        print(f"error: {printable(original_message(exc))}", file=sys.stderr)
+    return code
+
+
 def _warn(text: str) -> None:
-    print(f"warning: {text}", file=sys.stderr)
+    from dlpipe.cli import printable
+
+    print(f"warning: {printable(text)}", file=sys.stderr)
 
 
-def _error(exc: BaseException, main_rank: bool) -> None:
-    if main_rank:
-        print(f"error: {exc}", file=sys.stderr)
-
-
-def _preflight_and_launch(config: Any, args: argparse.Namespace) -> int:
+def _preflight_and_launch(config: Any, args: argparse.Namespace, guard: Any) -> int:
     """Check everything once here (one ``error:`` line for bad input), then start torchrun."""
     from dlpipe.train.preflight import preflight
 
@@ -184,10 +214,8 @@ def _preflight_and_launch(config: Any, args: argparse.Namespace) -> int:
 
         raise ConfigError(f"--nproc-per-node {args.nproc_per_node} must be a positive integer")
     resolved = config.resolved()
-    preflight(
-        resolved, args.nproc_per_node, lambda text: print(f"warning: {text}", file=sys.stderr)
-    )
-    return _launch(args.nproc_per_node, args.argv)
+    preflight(resolved, args.nproc_per_node, _warn)
+    return _launch(args.nproc_per_node, args.argv, guard)
 
 
 def _print_summary(summary: Any, console: Console) -> None:
@@ -209,33 +237,79 @@ def _print_summary(summary: Any, console: Console) -> None:
     )
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
-    """Run this same command under torchrun with `nproc` processes; forward stop signals."""
+def _launch(nproc: int, argv: list[str], guard: Any) -> int:
+    """Run this same command under torchrun with `nproc` processes; pass stop signals on to
+    the ranks; return torchrun's exit code (the first failed rank's)."""
     argv = _without_nproc(argv)
     torchrun = ["--standalone", f"--nproc-per-node={nproc}", "-m", "dlpipe", *argv]
     # torchrun gets SIGTERM when this process dies (kill -9, the OOM killer) and each rank
     # watches torchrun (`watch_parent`), so no rank trains on as an orphan
     command = [sys.executable, "-c", _TORCHRUN_CHILD, str(os.getpid()), *torchrun]
     # torchrun runs in its own session, so a terminal's Ctrl-C or hang-up reaches only this
-    # process, which passes each signal to the ranks themselves (SIGHUP as SIGTERM): they
-    # finish the step, checkpoint and exit 0, and torchrun ends normally (signalled itself, it
-    # would tear the ranks down and fail)
-    env = {**os.environ, "DLPIPE_TRAIN_PREFLIGHT": "1"}
-    child = subprocess.Popen(command, start_new_session=True, env=env)
-
-    def forward(signum: int, frame: Any) -> None:
-        sent = signal.SIGTERM if signum == signal.SIGHUP else signum
-        for pid in _children(child.pid) or [child.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sent)
-
+    # process, which passes each signal on to the ranks themselves: they finish the step,
+    # checkpoint and exit 0 (or, during start-up, exit 128 + that signal), and torchrun ends
+    # with them (signalled itself, it would tear the ranks down and fail).
+    # OMP_NUM_THREADS=1 is what torchrun sets anyway, without its banner.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "DLPIPE_TRAIN_PREFLIGHT": "1"}
+    ranks = _Ranks(nproc)
     stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in stops}
+    previous = {s: signal.signal(s, ranks.forward) for s in stops}
     try:
-        return child.wait()
+        ranks.torchrun = subprocess.Popen(command, start_new_session=True, env=env)
+        while ranks.torchrun.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                ranks.torchrun.wait(timeout=0.1)
+            ranks.deliver()
+        code = ranks.torchrun.returncode
     finally:
+        guard.settle()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if ranks.stopped_torchrun is not None and code != 0:  # no rank was there to say it
+        stop = signal.Signals(ranks.stopped_torchrun)
+        return _interrupted(stop.name, 128 + stop)
+    if code < 0:  # torchrun itself was killed: nobody printed why
+        name = signal.Signals(-code).name
+        print(
+            f"error: torchrun was killed by {name}; run the same command to resume", file=sys.stderr
+        )
+        return 1
+    return code
+
+
+class _Ranks:
+    """The launcher's view of torchrun's ranks: stop signals wait until all `nproc` ranks
+    exist (they start with stop signals blocked, so a signal they get while they import is
+    acted on as soon as they can), then go to each rank, not to torchrun: signalled, it
+    fails the run, and after the ranks ended it has nothing to stop. Only a second signal
+    before any rank exists stops torchrun itself."""
+
+    def __init__(self, nproc: int) -> None:
+        self.nproc = nproc
+        self.torchrun: subprocess.Popen[bytes] | None = None
+        self.pending: list[int] = []
+        self.started = False
+        self.stopped_torchrun: int | None = None
+
+    def forward(self, signum: int, frame: Any) -> None:
+        self.pending.append(signum)
+        self.deliver()
+
+    def deliver(self) -> None:
+        if not self.pending or self.torchrun is None:
+            return
+        pids = _children(self.torchrun.pid)
+        self.started = self.started or len(pids) >= self.nproc
+        if not self.started and not pids and len(self.pending) > 1:
+            self.stopped_torchrun = self.pending[-1]
+            pids = [self.torchrun.pid]
+        elif not self.started:
+            return
+        sent, self.pending = self.pending, []
+        for signum in sent:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
 
 
 _TORCHRUN_CHILD = (

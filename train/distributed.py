@@ -5,9 +5,16 @@ answer. A single process (no torchrun) gets the same helpers as no-ops, so the t
 code path and no ``if rank == 0:`` around work that needs every rank.
 
 A collective that waits longer than ``--dist-timeout`` (a rank hung, crashed or was killed)
-raises `DistributedError` naming this rank and what it waited for. Under torchrun each rank
-watches its parent (`watch_parent`): a launcher or torchrun killed with -9 leaves no rank
-training on as an orphan; the ranks checkpoint and exit as on SIGTERM.
+raises `DistributedError` naming this rank, what it waited for and the ranks that never
+reached it: each rank notes in torchrun's store (`RankNotes`) which collective it entered last.
+The first rank to fail claims the report there, so a failed run prints one ``error:`` line,
+and the others, stopped by torchrun, end quietly (`Distributed.failed_elsewhere`).
+
+Under torchrun each rank watches its parent (`watch_parent`): a launcher or torchrun killed
+with -9 leaves no rank training on as an orphan; the ranks checkpoint and exit as on SIGTERM.
+`run_torchrun_child` is torchrun as ``--nproc-per-node`` runs it: ranks start with stop
+signals blocked (pending until the rank can handle them), and the run ends with the exit code
+of the rank that failed first, without torchrun's traceback.
 """
 
 from __future__ import annotations
@@ -15,12 +22,13 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
+import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -35,6 +43,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Distributed",
     "DistributedError",
+    "RankNotes",
     "init_distributed",
     "run_torchrun_child",
     "watch_parent",
@@ -42,6 +51,7 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 600.0
 PARENT_POLL_S = 0.5
+REPORT_WAIT_S = 5.0  # how long a failed rank waits for the first one's exit code
 T = TypeVar("T")
 
 
@@ -50,15 +60,88 @@ class DistributedError(DlpipeError, RuntimeError):
 
 
 def collective_failed(
-    rank: int, what: str, timeout_s: float, exc: BaseException
+    rank: int, what: str, timeout_s: float, exc: BaseException, who: str = ""
 ) -> DistributedError:
-    """The error a rank raises when `what` (a collective) failed or outwaited the timeout."""
+    """The error a rank raises when `what` (a collective) failed or outwaited the timeout;
+    `who` names the ranks that did not reach it, when they are known."""
+    cause = " ".join(str(exc).split())[:200]
     return DistributedError(
         f"rank {rank}: {what} failed after waiting up to --dist-timeout {timeout_s:g} s for the "
-        f"other ranks ({type(exc).__name__}: {str(exc)[:200]}); a rank hung, crashed or was "
-        "killed (its own output names why). Resume with the printed command; raise "
-        "--dist-timeout if a step or checkpoint legitimately takes longer"
+        f"other ranks{': ' + who if who else ''} ({type(exc).__name__}: {cause}); a rank hung, "
+        "crashed or was killed (its own output names why). Resume with the printed command; "
+        "raise --dist-timeout if a step or checkpoint legitimately takes longer"
     )
+
+
+class RankNotes:
+    """What the ranks tell each other outside the process group, in torchrun's key-value
+    store (which outlives any rank): the collective each entered last, and whether one
+    already failed. Every call is best effort: without the store it answers "unknown".
+
+    Args:
+        store: a ``torch.distributed.Store`` client (None: no notes).
+        rank, world_size: this rank and the run's.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.entered = 0  # collectives this rank entered
+
+    def enter(self, what: str) -> None:
+        """Note that this rank enters its next collective, `what`."""
+        self.entered += 1
+        self._call(lambda: self.store.set(f"at/{self.rank}", f"{self.entered}\t{what}"))
+
+    def missing(self) -> str:
+        """The ranks that did not reach this rank's current collective ("" if unknown)."""
+        behind = []
+        for other in range(self.world_size):
+            if other == self.rank:
+                continue
+            note = self._call(functools.partial(self._read, f"at/{other}"))
+            if self.store is None:
+                return ""
+            entered, _, what = (note or "0\tnone").partition("\t")
+            if int(entered) < self.entered:
+                behind.append(
+                    f"rank {other} never reached it (the last collective it entered: {what})"
+                )
+        return "; ".join(behind)
+
+    def report(self, code: int) -> tuple[bool | None, int]:
+        """Claim the run's report: (True, `code`) for the first rank to fail, which prints
+        the run's one error line; (False, the first rank's code) for the others, so every
+        rank exits alike; (None, `code`) when the store cannot tell."""
+        count = self._call(lambda: self.store.add("failed", 1))
+        if count is None:
+            return None, code
+        if count == 1:
+            self._call(lambda: self.store.set("code", str(code)))
+            return True, code
+        shared = self._call(self._first_code)
+        return False, code if shared is None else int(shared)
+
+    def _first_code(self) -> str:
+        self.store.wait(["code"], datetime.timedelta(seconds=REPORT_WAIT_S))
+        return bytes(self.store.get("code")).decode()
+
+    def failed_elsewhere(self) -> bool:
+        """Whether some rank already failed (claimed the report)."""
+        return bool(self._call(lambda: self.store.check(["failed"])))
+
+    def _read(self, key: str) -> str:
+        if not self.store.check([key]):
+            return ""
+        return bytes(self.store.get(key)).decode()
+
+    def _call(self, call: Callable[[], T]) -> T | None:
+        if self.store is None:
+            return None
+        try:
+            return call()
+        except Exception:  # the store is gone (torchrun ended): no notes from here on
+            self.store = None
+            return None
 
 
 @dataclass
@@ -68,6 +151,7 @@ class Distributed:
     local_rank: int
     device: torch.device
     timeout_s: float = DEFAULT_TIMEOUT_S
+    notes: RankNotes = field(default_factory=lambda: RankNotes(None, 0, 1), repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -81,6 +165,7 @@ class Distributed:
         """`call()`, with a failed or timed-out collective named as `DistributedError`."""
         if not self.enabled:
             return call()
+        self.notes.enter(what)
         try:
             return call()
         except torch.OutOfMemoryError:
@@ -88,7 +173,21 @@ class Distributed:
         except RuntimeError as exc:
             if isinstance(exc, DistributedError):
                 raise
-            raise collective_failed(self.rank, what, self.timeout_s, exc) from None
+            who = self.notes.missing()
+            raise collective_failed(self.rank, what, self.timeout_s, exc, who) from None
+
+    def report(self, code: int, default: bool) -> tuple[bool, int]:
+        """Whether this rank prints the run's one error line, and the exit code every rank
+        uses: the first rank to fail prints, and its code is the run's (`default` and `code`
+        when that cannot be known: one process, no store)."""
+        if not self.enabled:
+            return True, code
+        first, code = self.notes.report(code)
+        return default if first is None else first, code
+
+    def failed_elsewhere(self) -> bool:
+        """Whether another rank already failed: torchrun is stopping this one."""
+        return self.enabled and self.notes.failed_elsewhere()
 
     def all_reduce_(self, *tensors: torch.Tensor, what: str = "an all-reduce") -> None:
         """Sum each tensor over the ranks, in place."""
@@ -149,13 +248,7 @@ class Distributed:
         """
         if not self.enabled:
             return
-        what = "averaging BatchNorm buffers before evaluation"
-        for buffer in model.buffers():
-            if buffer.is_floating_point():
-                self.all_reduce_(buffer, what=what)
-                buffer.div_(self.world_size)
-            else:
-                self.guarded(what, functools.partial(dist.broadcast, buffer, src=0))
+        self.guarded("averaging BatchNorm buffers before evaluation", lambda: _average(model))
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """DDP around `model` when there are several ranks (the model itself otherwise)."""
@@ -176,6 +269,36 @@ class Distributed:
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _average(model: nn.Module) -> None:
+    world_size = dist.get_world_size()
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer, dist.ReduceOp.SUM)
+            buffer.div_(world_size)
+        else:
+            dist.broadcast(buffer, src=0)
+
+
+def _notes_store(timeout_s: float) -> Any:
+    """A client of the store the process group was set up through (torchrun's, which
+    outlives the ranks), keyed per torchrun attempt; None without one."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        client = dist.TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=min(timeout_s, 30.0)),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"dlpipe/{attempt}/", client)
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> Distributed:
@@ -206,6 +329,8 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> Distributed:
                 device_id=device if device.type == "cuda" else None,
             ),
         )
+    if world_size > 1:
+        group.notes = RankNotes(_notes_store(timeout_s), rank, world_size)
     return group
 
 
@@ -224,12 +349,59 @@ def watch_parent(signum: int = signal.SIGTERM) -> threading.Thread | None:
 
 
 def run_torchrun_child(launcher_pid: int, argv: list[str]) -> None:
-    """torchrun's main, in a process that gets SIGTERM when the launcher dies (kill -9, a
-    closed terminal): torchrun then stops the ranks, which checkpoint and exit."""
+    """torchrun's main as ``--nproc-per-node`` runs it, in a process that gets SIGTERM when
+    the launcher dies (kill -9, a closed terminal): torchrun then stops the ranks, which
+    checkpoint and exit.
+
+    The ranks start with stop signals blocked, so one sent while a rank imports waits until
+    it can handle it (`dlpipe.train.signals.startup_guard`). The ranks print their own
+    ``error:`` line, so torchrun's failure logs and traceback are left out: this process
+    exits with the code of the rank that failed first (one line of its own only when that
+    rank was killed by a signal, which printed nothing).
+    """
     processes.die_with_parent(signal.SIGTERM)
     if os.getppid() != launcher_pid:  # the launcher died before the line above
         sys.exit(143)
-    import runpy
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    _start_ranks_with_stop_signals_blocked()
     sys.argv = ["torchrun", *argv]
-    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as exc:
+        sys.exit(_first_failure_code(exc))
+    except SignalException as exc:  # torchrun itself was signalled; it stopped the ranks
+        sys.exit(128 + int(exc.sigval))
+
+
+def _first_failure_code(exc: Any) -> int:
+    """The exit code of the rank that failed first; 1, with one line, if a signal killed it."""
+    rank, failure = exc.get_first_failure()
+    if failure.exitcode >= 0:
+        return int(failure.exitcode)
+    name = signal.Signals(-failure.exitcode).name
+    print(
+        f"error: rank {rank} (pid {failure.pid}) was killed by {name} (out of memory, or "
+        "killed by hand?); the other ranks were stopped. Resume with the same command",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _start_ranks_with_stop_signals_blocked() -> None:
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handlers,
+    )
+
+    popen = getattr(handlers.SubprocessHandler, "_popen", None)
+    if popen is None:  # another torch: ranks start as torchrun starts them
+        return
+
+    def blocked_popen(self: Any, args: tuple[Any, ...], env: dict[str, str]) -> Any:
+        with processes.stop_signals_blocked(start_method="fork"):  # fork + exec: no tracker
+            return popen(self, args, env)
+
+    handlers.SubprocessHandler._popen = blocked_popen  # type: ignore[method-assign]

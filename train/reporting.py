@@ -2,7 +2,9 @@
 
 `RunLogger` writes, in the run folder::
 
-    metrics.jsonl    one JSON object per line: "step", "epoch" and named events ("resume", ...)
+    metrics.jsonl    one JSON object per line: "step", "epoch" and named events ("resume", ...);
+                     epochs count from 1, as the console's ``epoch 1/90`` (the trainer's
+                     "schedule" event says so with ``"first_epoch": 1``; runs before it: 0)
     tensorboard/     TensorBoard event files: train/*, epoch/*, val/*, val_class/*, val/confusion
     confusion.png    the latest validation confusion matrix (see `render_confusion`)
     wandb-id.txt     the W&B run id, so a resumed run continues the same W&B run (--wandb only)
@@ -136,7 +138,7 @@ class RunLogger:
         """Logs the end of an epoch: its values and, if there was validation, its result.
 
         Args:
-            epoch: The epoch just finished.
+            epoch: The epoch just finished, counted from 1 (the console's numbering).
             step: Global optimizer step at its end (the x axis in TensorBoard and W&B).
             values: Name to value (None for a value not measured); ``epoch/<name>`` scalars.
             result: The validation result, or None if this epoch was not validated.

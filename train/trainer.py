@@ -33,7 +33,7 @@ from dlpipe.train import checkpoint as ckpt
 from dlpipe.train import preflight, progress, resume, runfolder
 from dlpipe.train.config import TrainConfig, plan_batches, to_toml
 from dlpipe.train.counters import EarlyStopping, RunCounters
-from dlpipe.train.distributed import init_distributed, watch_parent
+from dlpipe.train.distributed import DistributedError, init_distributed, watch_parent
 from dlpipe.train.metrics import EvalResult
 from dlpipe.train.models import build_model
 from dlpipe.train.optim import build_optimizer, build_scheduler
@@ -46,7 +46,8 @@ __all__ = ["RunSummary", "Trainer"]
 
 
 class Trainer:
-    """One training run; `close` it (it holds loader workers, the run-folder lock, the logs).
+    """One training run; `close` it (it holds loader workers, the run-folder lock, the logs,
+    and from `fit` on the stop-signal handlers, `dlpipe.train.signals.StopSignals`).
 
     Args:
         config: the run's configuration (resolved and validated here).
@@ -223,7 +224,7 @@ class Trainer:
                     return self._summary("early_stop", path)
             return self._summary("completed", path)
         finally:
-            self.signals.restore()
+            self.signals.settle()  # the outcome is decided: later signals are only noted
 
     def _train_epoch(self) -> str | None:
         """Steps until the epoch's data ends; returns why it stopped early, if it did."""
@@ -240,6 +241,8 @@ class Trainer:
                 return None
             self.phase = f"step {self.counters.step + 1}"
             result = self.runner.run(taken)
+            if result.stop:
+                self.signals.commit()  # every rank checkpoints now: a second signal waits
             self.counters.step += 1
             self.counters.stats.add(result, fetched - start, time.perf_counter() - start)
             self._after_step(result)
@@ -290,8 +293,9 @@ class Trainer:
         """Report the epoch, update early stopping; returns True to stop early."""
         lr = self.optimizer.param_groups[0]["lr"]
         values = progress.epoch_values(self.counters.stats, lr)
-        self._log().epoch(self.counters.epoch, self.counters.step, values, result)
-        record = {"epoch": self.counters.epoch + 1, **values}
+        number = self.counters.epoch + 1  # epochs are numbered from 1, as the console says
+        self._log().epoch(number, self.counters.step, values, result)
+        record = {"epoch": number, **values}
         if result is not None:
             record.update(val_loss=result.loss, top1=result.top1, top5=result.top5)
         self.counters.history.append(record)
@@ -341,6 +345,12 @@ class Trainer:
 
     def _stop_requested(self, name: str) -> None:
         self.runner.stop_requested = True
+        if not self.signals.saving and self.dist.failed_elsewhere():
+            # torchrun stops this rank because another one failed (and printed why): no
+            # collective can complete any more, so there is no checkpoint to wait for
+            raise DistributedError(
+                f"rank {self.dist.rank}: stopped by {name} because another rank failed"
+            )
 
     def _explain_stop(self, why: str, path: str) -> None:
         resume_command = runfolder.resume_command(self.run_dir, self.dist.world_size)
@@ -366,7 +376,12 @@ class Trainer:
         if self.dist.is_main:  # what the printed resume command reads
             runfolder.write_resume_config(self.config)
         total = self.config.run.epochs * self.steps_per_epoch
-        self._log().event("schedule", steps_per_epoch=self.steps_per_epoch, total_steps=total)
+        self._log().event(
+            "schedule",
+            steps_per_epoch=self.steps_per_epoch,
+            total_steps=total,
+            first_epoch=1,  # "epoch" lines from here on count from 1 (older runs' from 0)
+        )
         params = sum(t.numel() for t in self.model.parameters())
         if self.show_config:
             self.console.print(text.rstrip(), markup=False)
@@ -384,7 +399,11 @@ class Trainer:
 
     def close(self) -> None:
         """End the loader workers, close the logs, release the run folder and the process
-        group; safe after a failed start and more than once."""
+        group, and put back the stop-signal handlers; safe after a failed start and more
+        than once."""
+        signals = getattr(self, "signals", None)
+        if signals is not None:
+            signals.restore()
         for loader in (self.train_loader, self.val_loader):
             close = getattr(loader, "close", None)
             if close is not None:
