@@ -105,7 +105,14 @@ def loader(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return setter("ranks", 0, "loader", field, value=value)
 
 
+def nan_weight(state: dict[str, Any]) -> None:
+    """A NaN in the first floating-point weight (training would diverge at its first step)."""
+    name = next(k for k, v in state["model"].items() if v.is_floating_point())
+    state["model"][name] = torch.full_like(state["model"][name], float("nan"))
+
+
 CHECKPOINT_CASES = [
+    ("model-nan", nan_weight, "its values must be finite numbers"),
     # the step: negative, a bool, a float, a string, past any count, not the trainer's
     ("step-negative", counts(-1), "has step=-1: it must be an integer in 0.."),
     ("step-minus-4", counts(-4), "has step=-4: it must be an integer in 0.."),

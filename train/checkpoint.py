@@ -197,6 +197,9 @@ def _check_parts(state: Mapping[str, Any]) -> None:
     weights = state["model"]
     if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
         raise _Refused("model", weights, "it must map parameter names to tensors")
+    for name, tensor in weights.items():  # a NaN weight diverges the first step
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise _Refused(f"model[{shown(name)}]", tensor, "its values must be finite numbers")
     optimizer = state["optimizer"]
     groups = optimizer.get("param_groups")
     if not isinstance(optimizer.get("state"), Mapping) or not (
