@@ -7,6 +7,7 @@ member by one seek and read at its offset, a ``.tar.gz`` member through its save
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 import zipfile
@@ -25,7 +26,8 @@ class _Open:
     """The archives this process has open, each checked against its listing's stamp."""
 
     def __init__(self) -> None:
-        self._files: dict[tuple[str, tuple[int, int]], Any] = {}
+        # (path, stamp) -> (what reads members, the file under it that must be closed too)
+        self._files: dict[tuple[str, tuple[int, int]], tuple[Any, IO[bytes] | None]] = {}
 
     def get(self, path: str, kind: str, stamp: tuple[int, int], gz_index: str | None) -> Any:
         key = (path, stamp)
@@ -35,10 +37,12 @@ class _Open:
                 self.close()
             found = self._open(path, kind, stamp, gz_index)
             self._files[key] = found
-        return found
+        return found[0]
 
     @staticmethod
-    def _open(path: str, kind: str, stamp: tuple[int, int], gz_index: str | None) -> Any:
+    def _open(
+        path: str, kind: str, stamp: tuple[int, int], gz_index: str | None
+    ) -> tuple[Any, IO[bytes] | None]:
         f = open(path, "rb")  # noqa: SIM115 (kept open for the process's later reads)
         info = os.fstat(f.fileno())
         if (info.st_size, info.st_mtime_ns) != stamp:
@@ -48,23 +52,27 @@ class _Open:
                 "convert again"
             )
         if kind == "zip":
-            return zipfile.ZipFile(f)
+            return zipfile.ZipFile(f), f
         if kind == "tar":
-            return f
+            return f, None
         f.close()
         import indexed_gzip
 
-        return indexed_gzip.indexed_gzip._IndexedGzipFile(  # unbuffered: exact reads
+        reader = indexed_gzip.indexed_gzip._IndexedGzipFile(  # unbuffered: exact reads
             path, spacing=GZ_SPACING, index_file=gz_index, drop_handles=False
         )
+        return reader, None
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
+        for reader, under in self._files.values():
+            reader.close()
+            if under is not None:
+                under.close()
         self._files.clear()
 
 
 _OPEN = _Open()
+atexit.register(_OPEN.close)  # closed, not left to the collector (ResourceWarning)
 
 
 def read_member(
