@@ -302,9 +302,9 @@ def test_a_manifest_with_a_bad_task_schema_or_class_ids_is_refused(extra, rule) 
         parse_manifest(json.dumps(manifest_json(**extra)).encode(), "dlpipe.json")
 
 
-def test_the_readme_reads_boxes_with_plain_webdataset(tmp_path) -> None:
-    """The README's data-model example runs, without dlpipe, in a converted wds folder."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def test_the_manual_reads_boxes_with_plain_webdataset(tmp_path) -> None:
+    """docs/formats.md's data-model example runs, without dlpipe, in a converted wds folder."""
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "formats.md").read_text()
     (block,) = [
         b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "boxes.json" in b
     ]

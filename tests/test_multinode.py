@@ -1,6 +1,6 @@
-"""The README's two-node rehearsal, run as written: two torchrun launchers (one per "node")
-with a c10d rendezvous on loopback train one run folder over gloo and checkpoint; the run
-then resumes on one node with the same global batch and finishes."""
+"""The manual's two-node rehearsal (docs/training.md), run as written: two torchrun launchers
+(one per "node") with a c10d rendezvous on loopback train one run folder over gloo and
+checkpoint; the run then resumes on one node with the same global batch and finishes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_train import COMMON, TESTS, newest, records, write_colours
 
-README = TESTS.parent / "README.md"
+README = TESTS.parent / "docs" / "training.md"
 _BATCH = COMMON.index("--batch-size")
 TINY = COMMON[:_BATCH] + COMMON[_BATCH + 2 :]  # the tiny model's flags; the README sets the batch
 README_DATA, README_RUN, README_PORT = "data/pets-lmdb", "runs/rehearsal", "29400"
@@ -25,7 +25,7 @@ def rehearsal_commands() -> tuple[list[str], str]:
     """The README's block with the c10d rendezvous: the torchrun lines, and the resume line."""
     readme = README.read_text()
     blocks = [b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "c10d" in b]
-    assert blocks, "README.md lacks the multi-node rehearsal (a bash block with c10d)"
+    assert blocks, "docs/training.md lacks the multi-node rehearsal (a bash block with c10d)"
     lines = [line for line in blocks[0].splitlines() if line and not line.startswith("#")]
     launchers = [line for line in lines if line.startswith("torchrun ")]
     (resume,) = [line for line in lines if line.startswith("dlpipe train --config")]
