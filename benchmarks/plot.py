@@ -1,5 +1,5 @@
-"""The README's plot: loader throughput per contender against the physical limit, drawn from
-``benchmarks/results/loader.json`` with Pillow (no plotting library needed)::
+"""The plot in docs/benchmarks.md: loader throughput per contender against the physical
+limit, drawn from ``benchmarks/results/loader.json`` with Pillow (no plotting library needed)::
 
     python benchmarks/plot.py          # writes benchmarks/results/loader.png
 """

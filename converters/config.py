@@ -357,7 +357,7 @@ _GROUPS: dict[str, type] = {
 
 @dataclass(frozen=True, kw_only=True)
 class ConvertConfig(_Checked):
-    """Everything ``dlpipe convert`` takes; see the module docstring and the README."""
+    """Everything ``dlpipe convert`` takes; see the module docstring and docs/converting.md."""
 
     raw: str = option(
         "raw data: a folder (class folders, key.ext files, CIFAR/MNIST files) or a table "

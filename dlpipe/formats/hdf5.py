@@ -19,7 +19,7 @@ and end at the blob's length. So every read is bounded by the file's size and no
 the file is read. Chunked, compressed or compact datasets are refused: dlpipe never writes them.
 
 The blob layout was chosen over variable-length (``vlen``) datasets by measurement
-(``benchmarks/hdf5_layout.py``; figures in the README). Read it with plain h5py::
+(``benchmarks/hdf5_layout.py``; figures in docs/formats.md). Read it with plain h5py::
 
     with h5py.File("train-000000.h5") as f:
         off = f["jpg.offsets"][:]
