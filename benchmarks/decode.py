@@ -209,9 +209,8 @@ def loader_cpu_per_sample(root: str, epochs: int) -> dict[str, float]:
         for _ in range(rounds):  # alternate the modes
             for mode, (path, decode) in modes.items():
                 transform = ImageTransform("train", 224, "jpg", decode=decode)
-                loader = dlpipe.make_loader(
-                    path, "train", 64, num_workers=0, profile=None, transform=transform
-                )
+                config = dlpipe.LoaderConfig(batch_size=64, transform=transform)
+                loader = dlpipe.make_loader(path, "train", config, workers=0, profile=None)
                 samples, start = 0, time.process_time()
                 for _epoch in range(epochs):
                     for images, _labels in loader:

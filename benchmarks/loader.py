@@ -11,9 +11,10 @@ a. **baseline**: what a user would write: torchvision ``ImageFolder`` (PIL loadi
    ``transforms.RandomResizedCrop(224)``, ``RandomHorizontalFlip()``, ``PILToTensor()`` and a
    ``DataLoader`` (shuffle, drop_last, persistent workers), at each ``num_workers`` in
    {0, 1, 2, 3, 4}; the best counts.
-b. **dlpipe**: ``dlpipe.make_loader(path, "train", batch_size=64, num_workers=W,
-   engine=E, profile=None)`` for each format (wds, lmdb, hdf5), with worker processes
-   (W in {0, ..., 4}) and with the thread engine (W threads in {1, ..., 4}); the best counts.
+b. **dlpipe**: ``dlpipe.make_loader(path, "train", dlpipe.LoaderConfig(batch_size=64),
+   workers={"num_workers": W, "engine": E}, profile=None)`` for each format (wds, lmdb,
+   hdf5), with worker processes (W in {0, ..., 4}) and with the thread engine (W threads in
+   {1, ..., 4}); the best counts.
 c. **peers**, where they install (``benchmarks/peers.py`` says how): FFCV
    (``RandomResizedCropRGBImageDecoder``, W threads) and NVIDIA DALI's CPU pipeline
    (``decoders.image_random_crop``, W threads), W in {1, ..., 4}; the best counts.
@@ -132,9 +133,9 @@ def baseline_loader(root: str, workers: int) -> DataLoader:
 def dlpipe_loader(path: str, workers: int, engine: str) -> Any:
     import dlpipe
 
-    return dlpipe.make_loader(
-        path, "train", batch_size=BATCH, num_workers=workers, engine=engine, profile=None
-    )
+    config = dlpipe.LoaderConfig(batch_size=BATCH)
+    chosen = {"num_workers": workers, "engine": engine}  # over the defaults (no profile)
+    return dlpipe.make_loader(path, "train", config, workers=chosen, profile=None)
 
 
 def pss_bytes() -> int:

@@ -2,13 +2,14 @@
 
 The same model, data and steps go through both contenders, in one process and one run:
 
-a. **hand-written loop**: ``dlpipe.make_loader(path, "train", 32, image_size=64,
-   num_workers=1, seed=0)`` (the call the trainer makes), ``torchvision.models.get_model(
-   "resnet18", weights=None, num_classes=8)``, ``torch.optim.SGD`` with dlpipe's settings
-   (lr 0.1 x 32/256, momentum 0.9, weight decay 1e-4 on weights, none on biases and norms),
-   and per batch: ``x = dlpipe.normalize(images)``, ``loss = F.cross_entropy(model(x),
-   labels)``, ``zero_grad()``, ``backward()``, ``step()``, ``loss.item()`` (the trainer reads
-   the loss every step too, so the minimal loop pays for it as well);
+a. **hand-written loop**: ``dlpipe.make_loader(path, "train", dlpipe.LoaderConfig(
+   batch_size=32, image_size=64, seed=0), workers=1)`` (the call the trainer makes),
+   ``torchvision.models.get_model("resnet18", weights=None, num_classes=8)``,
+   ``torch.optim.SGD`` with dlpipe's settings (lr 0.1 x 32/256, momentum 0.9, weight decay
+   1e-4 on weights, none on biases and norms), and per batch: ``x = dlpipe.normalize(
+   images)``, ``loss = F.cross_entropy(model(x), labels)``, ``zero_grad()``, ``backward()``,
+   ``step()``, ``loss.item()`` (the trainer reads the loss every step too, so the minimal
+   loop pays for it as well);
 b. **dlpipe train**: ``dlpipe.cli.main(["train", DATA, "--model", "resnet18", "--epochs", "1",
    "--batch-size", "32", "--image-size", "64", "--num-workers", "1", "--lr", "0.0125",
    "--warmup-epochs", "0", "--log-every", "1", "--val-split", "", "--precision", "fp32",
@@ -80,6 +81,7 @@ from machine import machine_info as shared_machine_info
 
 import dlpipe
 from dlpipe.cli import main as dlpipe_main
+from dlpipe.loading.config import LoaderConfig
 from dlpipe.loading.loader import make_loader
 from dlpipe.loading.transforms import normalize
 from dlpipe.synthetic import SHAPE_CLASSES, synthetic_samples
@@ -112,17 +114,8 @@ def make_dataset(path: str, samples: int) -> float:
 
 
 def make_train_loader(path: str) -> Any:
-    return make_loader(
-        path,
-        "train",
-        BATCH,
-        transform="train",
-        image_size=IMAGE_SIZE,
-        seed=0,
-        num_workers=WORKERS,
-        rank=0,
-        world_size=1,
-    )
+    config = LoaderConfig(batch_size=BATCH, transform="train", image_size=IMAGE_SIZE, seed=0)
+    return make_loader(path, "train", config, workers=WORKERS, rank=0, world_size=1)
 
 
 # ----------------------------------------------------------------------------------- contenders
@@ -544,8 +537,9 @@ def _setup(result: dict[str, Any]) -> list[str]:
         "",
         f"Same for both: {cfg['samples']} synthetic shapes JPEGs (`dlpipe.synthetic`, 64-128 px) "
         f"in lmdb (written in {result['dataset_s']:.1f} s), one epoch of {cfg['warmup']} + "
-        f"{cfg['steps']} steps; `dlpipe.make_loader(..., {BATCH}, image_size={IMAGE_SIZE}, "
-        f"num_workers={WORKERS}, seed=0)` (train transform, uint8, `dlpipe.normalize`); "
+        f"{cfg['steps']} steps; `dlpipe.make_loader(..., LoaderConfig(batch_size={BATCH}, "
+        f"image_size={IMAGE_SIZE}, seed=0), workers={WORKERS})` (train transform, uint8, "
+        "`dlpipe.normalize`); "
         f"`{MODEL}` from torchvision, {len(SHAPE_CLASSES)} classes, random init (seed 0), fp32; "
         f"SGD lr {LR:g}, momentum {MOMENTUM}, weight decay {WEIGHT_DECAY:g} (not on biases "
         f"and norms); cross-entropy. The loop also calls `loss.item()` each step, as dlpipe "

@@ -2,8 +2,9 @@
 
 A recipe over public entry points, wired next to the CLI: it generates the raw ImageFolder,
 converts it to every format (`dlpipe.convert`) and verifies each (`dlpipe.verify_dataset`),
-tunes the loader (``dlpipe bench-loader``'s search, saving the profile), trains `shapes_cnn`
-with ``dlpipe train``'s trainer, and prints a summary: the conversion throughput per format,
+tunes the loader (``dlpipe bench-loader``'s search, saving the profile) for exactly the loader
+the training runs, trains `shapes_cnn` with ``dlpipe train``'s trainer (whose loader line names
+that profile), and prints a summary: the conversion throughput per format,
 the tuned loader settings and verdict, the final validation top-1, and where the metrics,
 confusion matrix, TensorBoard logs and checkpoints are. The loading room and the trainer are
 imported inside the functions that use them, so importing this module imports neither.
@@ -36,6 +37,8 @@ __all__ = ["DEMO_TIME", "DemoConfig", "default_demo_dir", "run_demo", "shapes_cn
 _MARKER = ".dlpipe-demo"
 TRAIN_FORMAT = "lmdb"  # the one the demo tunes and trains on; every format would do
 DEMO_TIME = "1 minute"  # the whole default demo on 2 CPU cores (benchmarks/demo.py: 49 s)
+# the shapes fill a third of the image: crops keep at least half of it (tuned and trained so)
+MIN_CROP_SCALE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,7 +170,13 @@ def _tune(config: DemoConfig, data: str, console: Console) -> Any:
     from dlpipe.loading.config import LoaderConfig
     from dlpipe.loading.tune import BenchConfig, bench_loader, save_winner
 
-    loader = LoaderConfig(batch_size=config.batch_size, image_size=config.image_size)
+    # the loader the training runs (`_train`), so the trainer finds this very profile
+    loader = LoaderConfig(
+        batch_size=config.batch_size,
+        image_size=config.image_size,
+        min_crop_scale=MIN_CROP_SCALE,
+        seed=config.seed,
+    )
     bench = BenchConfig(
         path=data, loader=loader, budget_s=config.tune_budget_s, max_workers=max(2, config.workers)
     )
@@ -191,8 +200,11 @@ def _train(config: DemoConfig, data: str, console: Console) -> Any:
     train_config = load_config(
         None,
         {
-            # the shapes fill a third of the image: crops keep at least half of it
-            "data": {"path": data, "image_size": config.image_size, "min_crop_scale": 0.5},
+            "data": {
+                "path": data,
+                "image_size": config.image_size,
+                "min_crop_scale": MIN_CROP_SCALE,
+            },
             "model": {"name": config.model},
             "optim": {
                 "optimizer": "adamw",

@@ -2,7 +2,8 @@
 
 The flags that say what the batches are (``--batch-size``, ``--transform``, ``--image-size``,
 ``--min-crop-scale``) make one `LoaderConfig`, the one ``dlpipe train`` builds from the same
-values, so the saved profile is found by the training run it was measured for.
+values, so the saved profile is found by the training run it was measured for; a run with
+another batch or image size uses it too, as the nearest (`dlpipe.loading.profile`), and says so.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
     console.print(f"verdict: {escape(report.advice)}")
     if saved:
         console.print(
-            f"saved the profile to {escape(saved)}; dlpipe.make_loader uses it from now on"
+            f"saved the profile to {escape(saved)}; dlpipe train and dlpipe.make_loader use "
+            "it from now on, for this loader and (until they have their own) the nearest ones"
         )
 
 

@@ -129,11 +129,10 @@ def resumed_rest(make: Callable[[], Any], taken: int) -> tuple[list, list]:
     return rest, batch_list(resumed)
 
 
-def rank_keys(path: str, rank: int, **options: Any) -> list[str]:
+def rank_keys(path: str, rank: int, workers: Any = "auto") -> list[str]:
     """The sample keys, in order, that `rank` of 2 reads in one pass of raw batches of 4."""
-    loader = dlpipe.make_loader(
-        path, batch_size=4, transform=None, rank=rank, world_size=2, **options
-    )
+    config = dlpipe.LoaderConfig(batch_size=4, transform=None)
+    loader = dlpipe.make_loader(path, "train", config, workers=workers, rank=rank, world_size=2)
     return [str(sample["__key__"]) for batch in loader for sample in batch]
 
 

@@ -90,11 +90,13 @@ def test_loader_train_batches_are_channels_last_with_each_samples_crop(
     (shards of 5, batches of 8, a partial last one): each a channels-last batch, with the
     pixels the loading process makes alone; eval crops (views of channels-last decodes) too."""
     path = write_dataset(tmp_path / "data", fmt, {"train": samples}, max_shard_samples=5)
-    options = dict(batch_size=8, image_size=16, profile=None, drop_last=False, seed=4)
     for transform in ("train", "eval"):
-        loader = dlpipe.make_loader(path, "train", workers=workers, transform=transform, **options)
+        config = dlpipe.LoaderConfig(
+            batch_size=8, transform=transform, image_size=16, drop_last=False, seed=4
+        )
+        loader = dlpipe.make_loader(path, "train", config, workers=workers, profile=None)
         batches = batch_list(loader)
-        inline = dlpipe.make_loader(path, "train", num_workers=0, transform=transform, **options)
+        inline = dlpipe.make_loader(path, "train", config, workers=0, profile=None)
         assert per_sample(batches) == per_sample(batch_list(inline))
         assert all(images.is_contiguous(memory_format=CHANNELS_LAST) for images, _ in batches)
 

@@ -344,11 +344,12 @@ def test_make_loader_decodes_train_crops_at_dct_scale(
     ]
     path = write_dataset(tmp_path / "data", "lmdb", {"train": samples})
     factors = record_factors(monkeypatch)
-    options = dict(num_workers=0, profile=None, image_size=64, min_crop_scale=1.0, seed=3)
-    images, labels = next(iter(dlpipe.make_loader(path, "train", 8, **options)))  # type: ignore[arg-type]
+    config = dlpipe.LoaderConfig(batch_size=8, image_size=64, min_crop_scale=1.0, seed=3)
+    images, labels = next(iter(dlpipe.make_loader(path, "train", config, workers=0, profile=None)))
     assert factors == [8] * 8  # 512 px decoded at 1/8
     full = ImageTransform("train", 64, "jpg", seed=3, min_scale=1.0, decode="full")
-    reference = dlpipe.make_loader(path, "train", 8, transform=full, **options)  # type: ignore[arg-type]
+    config = config.replace(transform=full)
+    reference = dlpipe.make_loader(path, "train", config, workers=0, profile=None)
     ref_images, ref_labels = next(iter(reference))
     assert torch.equal(labels, ref_labels)
     assert (

@@ -58,9 +58,13 @@ def photo_samples(count: int, kinds=("jpg",)) -> list[dict]:
     return samples
 
 
-def _pairs(path: str, decode: str, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _pairs(
+    path: str, decode: str, num_workers: int | None = None, shuffle: bool | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    config = dlpipe.LoaderConfig(batch_size=4, image_size=48, seed=3, shuffle=shuffle)
+    count = {} if num_workers is None else {"num_workers": num_workers}
     loader = dlpipe.make_loader(
-        path, batch_size=4, image_size=48, seed=3, workers=None, decode=decode, **kwargs
+        path, "train", config, workers={"decode": decode, **count}, profile=None
     )
     return [(images.cpu().clone(), labels.clone()) for images, labels in loader]
 
@@ -148,7 +152,12 @@ def test_a_device_decode_state_resumes_exactly(fmt, tmp_path, cpu_as_device) -> 
     settings = dlpipe.WorkerSettings(num_workers=2, engine="threads", decode="cuda")
 
     def loader():
-        return dlpipe.make_loader(path, batch_size=4, image_size=48, seed=3, workers=settings)
+        return dlpipe.make_loader(
+            path,
+            "train",
+            dlpipe.LoaderConfig(batch_size=4, image_size=48, seed=3),
+            workers=settings,
+        )
 
     rest, again = resumed_rest(loader, 2)
     assert len(rest) == len(again) == 4
@@ -161,7 +170,12 @@ def test_a_jpeg_that_fails_on_the_device_names_its_sample(tmp_path, cpu_as_devic
     data = samples[5]["jpg"]
     samples[5]["jpg"] = data[: len(data) * 2 // 3]  # the header reads; the scan is cut short
     path = write_dataset(tmp_path / "d", "lmdb", {"train": samples})
-    loader = dlpipe.make_loader(path, batch_size=4, image_size=48, num_workers=0, decode="cuda")
+    loader = dlpipe.make_loader(
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, image_size=48),
+        workers={"num_workers": 0, "decode": "cuda"},
+    )
     with pytest.raises(FieldDecodeError, match=r"sample 's0005'.*does not decode on cpu"):
         list(loader)
 
@@ -178,27 +192,49 @@ def test_the_pixel_limit_holds_before_any_bytes_leave_the_worker(tmp_path, monke
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
 def test_decode_cuda_without_cuda_is_one_named_error(make_dataset) -> None:
     with pytest.raises(DecodeDeviceError, match="decode='cuda' needs a CUDA device.*decode='cpu'"):
-        dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, decode="cuda")
+        dlpipe.make_loader(
+            make_dataset("lmdb"),
+            "train",
+            dlpipe.LoaderConfig(batch_size=4),
+            workers={"decode": "cuda"},
+        )
 
 
 def test_auto_decodes_on_the_cpu_without_a_gpu_profile(make_dataset) -> None:
-    loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, image_size=32, decode="auto")
+    loader = dlpipe.make_loader(
+        make_dataset("lmdb"), "train", dlpipe.LoaderConfig(batch_size=4, image_size=32)
+    )
     images, _ = next(iter(loader))
     assert images.device.type == "cpu" and images.shape == (4, 3, 32, 32)
 
 
 def test_decode_cuda_needs_an_image_transform(make_dataset, cpu_as_device) -> None:
     with pytest.raises(LoaderConfigError, match="decode='cuda' with transform=None"):
-        dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, transform=None, decode="cuda")
+        dlpipe.make_loader(
+            make_dataset("lmdb"),
+            "train",
+            dlpipe.LoaderConfig(batch_size=4, transform=None),
+            workers={"decode": "cuda"},
+        )
     with pytest.raises(LoaderConfigError, match="decode='gpu' is not 'cpu' or 'cuda'"):
-        dlpipe.make_loader(make_dataset("wds"), batch_size=4, decode="gpu")
+        dlpipe.make_loader(
+            make_dataset("wds"),
+            "train",
+            dlpipe.LoaderConfig(batch_size=4),
+            workers={"decode": "gpu"},
+        )
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (nvJPEG)")
 def test_nvjpeg_batches_are_on_the_gpu_and_match_the_cpu(tmp_path) -> None:
     samples = photo_samples(16, kinds=("jpg", "grey", "png"))
     path = write_dataset(tmp_path / "d", "lmdb", {"train": samples})
-    loader = dlpipe.make_loader(path, batch_size=4, image_size=48, seed=3, decode="cuda")
+    loader = dlpipe.make_loader(
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, image_size=48, seed=3),
+        workers={"decode": "cuda"},
+    )
     images, _ = next(iter(loader))
     assert images.is_cuda and images.dtype == torch.uint8
     # a fresh loader: each iter() is the next epoch, another order
@@ -224,10 +260,15 @@ def test_the_next_batch_decodes_on_a_background_thread_while_this_one_is_used(
 
     monkeypatch.setattr(DeviceDecoder, "__call__", recorded)
     path = write_dataset(tmp_path / "d", "wds", {"train": photo_samples(16)})
-    loader = dlpipe.make_loader(path, batch_size=4, image_size=48, num_workers=0, decode="cuda")
+    loader = dlpipe.make_loader(
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, image_size=48),
+        workers={"num_workers": 0, "decode": "cuda"},
+    )
     iterator = iter(loader)
     next(iterator)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 600  # a bound on a hang only: the state is sure to come
     while len(seen) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)  # the second batch was queued before the first was handed over
     assert len(seen) == 2

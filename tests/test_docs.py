@@ -70,8 +70,8 @@ PYTHON_RUNS = {
     "for step, (images, labels) in zip(range(4), loader)": ("", "", r"^step 3: loss \d+\.\d{3}\n$"),
     "dlpipe.DatasetWriter(": ("", "", r"^1 \('cat', 'dog'\)\n$"),
     "resumed.load_state_dict(state)": ("", "", r"^torch\.Size\(\[64, 3, 64, 64\]\) \[\d"),
-    "dlpipe.LoaderConfig(": ("", "", r"^\d+ \d+ torch\.Size\(\[\d+, 3, 64, 64\]\)\n$"),
-    'engine="threads"': ("", "", r"^\d+ torch\.Size\(\[64, 3, 64, 64\]\)\n$"),
+    "min_crop_scale=0.35": ("", "", r"^\d+ \d+ torch\.Size\(\[\d+, 3, 64, 64\]\)\n$"),
+    '"engine": "threads"': ("", "", r"^\d+ torch\.Size\(\[64, 3, 64, 64\]\)\n$"),
     "dlpipe.convert(": ("", "", r"^shapes-lmdb \d+ \d+\.\d s\n$"),
     'lmdb.open("train-000000.lmdb"': (
         "dlpipe-demo/shapes-lmdb",

@@ -27,8 +27,10 @@ _CHILD = """
 import json, sys, torch, torch.distributed as dist, dlpipe
 spec = json.loads(sys.argv[1])
 dist.init_process_group("gloo", init_method="env://")
-loader = dlpipe.make_loader(spec["path"], "train", spec["batch_size"], transform=spec["transform"],
-                            image_size=8, seed=5, num_workers=spec["num_workers"], profile=None)
+config = dlpipe.LoaderConfig(batch_size=spec["batch_size"], transform=spec["transform"],
+                             image_size=8, seed=5)
+loader = dlpipe.make_loader(spec["path"], "train", config, workers=spec["num_workers"],
+                            profile=None)
 if spec.get("state"):
     loader.load_state_dict(torch.load(spec["state"], weights_only=True))
 epochs = [[batch for batch in loader] for _ in range(spec["epochs"])]
@@ -68,9 +70,19 @@ def run_ranks(tmp_path: Path, world_size: int, **spec: Any) -> list[dict[str, An
     return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world_size)]
 
 
-def _loader(path: str, *, num_workers: int, batch_size: int = GLOBAL_BATCH, **kw: Any) -> Any:
-    options: dict[str, Any] = {"image_size": 8, "seed": 5, "profile": None, **kw}
-    return dlpipe.make_loader(path, "train", batch_size, num_workers=num_workers, **options)
+def _loader(
+    path: str,
+    *,
+    num_workers: int,
+    batch_size: int = GLOBAL_BATCH,
+    rank: int | None = None,
+    world_size: int | None = None,
+    **fields: Any,
+) -> Any:
+    config = dlpipe.LoaderConfig(**{"batch_size": batch_size, "image_size": 8, "seed": 5, **fields})
+    return dlpipe.make_loader(
+        path, "train", config, workers=num_workers, profile=None, rank=rank, world_size=world_size
+    )
 
 
 def _epochs(loader: Any, count: int) -> list[list[Any]]:

@@ -211,11 +211,21 @@ def test_an_explicit_worker_count_the_machine_cannot_run_is_refused(
 ) -> None:
     path = make_dataset("lmdb")
     with pytest.raises(LoaderConfigError, match=rf"num_workers={count} is more .* \(8: 4 per"):
-        dlpipe.make_loader(path, batch_size=4, num_workers=count, engine=engine)
+        dlpipe.make_loader(
+            path,
+            "train",
+            dlpipe.LoaderConfig(batch_size=4),
+            workers={"num_workers": count, "engine": engine},
+        )
     given = WorkerSettings(num_workers=count, engine=engine)
     with pytest.raises(LoaderConfigError, match="pass at most 8"):
-        dlpipe.make_loader(path, batch_size=4, workers=given)
-    loader = dlpipe.make_loader(path, batch_size=4, num_workers=8, engine=engine)
+        dlpipe.make_loader(path, "train", dlpipe.LoaderConfig(batch_size=4), workers=given)
+    loader = dlpipe.make_loader(
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4),
+        workers={"num_workers": 8, "engine": engine},
+    )
     assert loader.settings.num_workers == 8
 
 
@@ -227,7 +237,9 @@ def test_the_default_worker_count_is_cut_to_the_machine_with_a_warning(
     monkeypatch.setattr(loader_config, "usable_cpus", lambda: 64)  # the defaults ask for 63
     small_machine.setattr(machine, "available_memory", lambda: 300 << 20)
     with caplog.at_level(logging.WARNING, logger="dlpipe"):
-        loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, profile=None)
+        loader = dlpipe.make_loader(
+            make_dataset("lmdb"), "train", dlpipe.LoaderConfig(batch_size=4), profile=None
+        )
     assert loader.num_workers == 2 and loader.settings_line().endswith("(defaults)")
     assert "default num_workers=63 more worker processes than this machine can run" in caplog.text
 
@@ -246,8 +258,12 @@ def test_the_default_worker_count_is_cut_to_the_machine_with_a_warning(
 def test_loader_numbers_past_what_a_loader_can_run_are_refused(changes, message, make_dataset):
     """A seed numpy refuses, a crop of terabytes, a billion batches' indices queued up front:
     each a named LoaderConfigError before anything runs."""
+    config = {k: v for k, v in changes.items() if k in dlpipe.LoaderConfig.__dataclass_fields__}
+    workers = {"num_workers": 0, **{k: v for k, v in changes.items() if k not in config}}
     with pytest.raises(LoaderConfigError, match=message.replace("(", r"\(")):
-        dlpipe.make_loader(make_dataset("lmdb"), profile=None, **{"num_workers": 0, **changes})
+        dlpipe.make_loader(
+            make_dataset("lmdb"), "train", dlpipe.LoaderConfig(**config), workers=workers
+        )
 
 
 def test_bench_loader_skips_worker_counts_the_machine_cannot_run(
@@ -423,9 +439,9 @@ HANGING_LOADER = textwrap.dedent("""
 
     ds = dlpipe.open_dataset(sys.argv[1])
     SAFE = ds[0]["__key__"]
+    config = dlpipe.LoaderConfig(batch_size=1, transform=hangs, shuffle=False)
     loader = dlpipe.make_loader(
-        sys.argv[1], batch_size=1, transform=hangs, shuffle=False, engine="threads",
-        num_workers=2, profile=None,
+        sys.argv[1], "train", config, workers={"engine": "threads", "num_workers": 2}, profile=None
     )
     iterator = iter(loader)
     print("first", next(iterator), flush=True)  # later samples' transforms are queued and hang

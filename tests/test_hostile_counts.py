@@ -57,7 +57,11 @@ def test_a_miscounted_shard_is_named_by_the_loader(fmt, delta, dataset) -> None:
     path = dataset(fmt)
     shard = _miscount(path, delta)
     loader = dlpipe.make_loader(
-        path, batch_size=4, transform=None, shuffle=False, num_workers=0, profile=None
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, transform=None, shuffle=False),
+        workers=0,
+        profile=None,
     )
     with pytest.raises(dlpipe.SampleCountError) as caught:
         for _ in loader:
@@ -87,7 +91,10 @@ def test_wds_names_it_where_a_shuffled_stream_stops_at_the_manifest_count(delta,
     path = dataset("wds")
     shard = _miscount(path, delta)
     loader = dlpipe.make_loader(
-        path, batch_size=2, transform=None, seed=3, drop_last=False, num_workers=0
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=2, transform=None, seed=3, drop_last=False),
+        workers=0,
     )
     with pytest.raises(dlpipe.SampleCountError) as caught:
         list(loader)

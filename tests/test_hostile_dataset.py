@@ -223,7 +223,7 @@ def test_manifest_that_is_not_a_regular_file_is_refused_without_hanging(
         os.symlink("/dev/zero", target)
     else:
         target.mkdir()
-    with deadline(20):
+    with deadline(120):  # a bound on a hang (a FIFO read never ends), not a speed
         with pytest.raises(dlpipe.ManifestError, match="not a regular file"):
             dlpipe.open_dataset(path)
         assert main(["verify", path]) == 2
@@ -525,7 +525,11 @@ def test_out_of_range_label_is_a_named_read_error(fmt, label, tmp_path, samples)
     with pytest.raises(dlpipe.ShardCorruptError, match=where):
         list(ds)
     loader = dlpipe.make_loader(
-        path, "train", batch_size=4, transform=None, num_workers=0, shuffle=False, profile=None
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, transform=None, shuffle=False),
+        workers=0,
+        profile=None,
     )
     with pytest.raises(dlpipe.ShardCorruptError, match=where):
         list(loader)
@@ -641,12 +645,9 @@ def test_forked_loader_workers_refuse_a_replaced_dataset(make_dataset, samples) 
     loader = dlpipe.make_loader(
         path,
         "train",
-        batch_size=4,
-        transform=None,
-        num_workers=1,
-        shuffle=False,
+        dlpipe.LoaderConfig(batch_size=4, transform=None, shuffle=False),
+        workers={"num_workers": 1, "multiprocessing_context": "fork"},
         profile=None,
-        multiprocessing_context="fork",
     )
     batches = iter(loader)
     try:

@@ -23,7 +23,9 @@ BATCH, GIVEN = 4, 2  # 32 train samples in batches of 4; the state is saved afte
 
 
 def _loader(path: str) -> dlpipe.PreparedLoader:
-    return dlpipe.make_loader(path, batch_size=BATCH, transform=None, num_workers=0, seed=1)
+    return dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=BATCH, transform=None, seed=1), workers=0
+    )
 
 
 def _keys(loader: dlpipe.PreparedLoader) -> list[list[str]]:

@@ -15,7 +15,7 @@ RANDOM_ACCESS = [f for f in FORMAT_NAMES if dlpipe.FORMATS[f].random_access]
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_batches_are_uint8_nchw_with_labels(fmt, make_dataset, samples) -> None:
     loader = dlpipe.make_loader(
-        make_dataset(fmt), "val", batch_size=4, image_size=32, num_workers=0
+        make_dataset(fmt), "val", dlpipe.LoaderConfig(batch_size=4, image_size=32), workers=0
     )
     (images, labels), (_, labels2) = batch_list(loader)
     assert images.shape == (4, 3, 32, 32) and images.dtype == torch.uint8
@@ -29,7 +29,9 @@ def test_mid_epoch_resume_yields_exactly_the_remaining_batches(fmt, make_dataset
     path = make_dataset(fmt)
 
     def loader():
-        return dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=2, seed=5)
+        return dlpipe.make_loader(
+            path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24, seed=5), workers=2
+        )
 
     rest, again = resumed_rest(loader, 3)
     assert 3 + len(rest) == 8 and len(again) == len(rest)
@@ -39,7 +41,9 @@ def test_mid_epoch_resume_yields_exactly_the_remaining_batches(fmt, make_dataset
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_each_pass_is_a_new_epoch_with_a_new_order(fmt, make_dataset) -> None:
-    loader = dlpipe.make_loader(make_dataset(fmt), batch_size=8, transform=None, num_workers=0)
+    loader = dlpipe.make_loader(
+        make_dataset(fmt), "train", dlpipe.LoaderConfig(batch_size=8, transform=None), workers=0
+    )
     epochs = [[s["__key__"] for batch in loader for s in batch] for _ in range(2)]
     assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
 
@@ -49,7 +53,7 @@ def test_ranks_get_equal_disjoint_batches(fmt, tmp_path, samples) -> None:
     from conftest import write_dataset
 
     path = write_dataset(tmp_path / "d", fmt, {"train": samples[:37]}, max_shard_samples=5)
-    parts = [rank_keys(path, rank, num_workers=0) for rank in range(2)]
+    parts = [rank_keys(path, rank, workers=0) for rank in range(2)]
     assert len(parts[0]) == len(parts[1]) == 16  # 18 per rank, 4 full batches each
     assert not set(parts[0]) & set(parts[1])
 
@@ -80,7 +84,9 @@ def test_wds_with_fewer_shards_than_workers_reads_every_sample_once(tmp_path, sa
     from conftest import write_dataset
 
     path = write_dataset(tmp_path / "d", "wds", {"train": samples[:8]}, max_shard_samples=None)
-    loader = dlpipe.make_loader(path, batch_size=2, transform=None, num_workers=2)
+    loader = dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=2, transform=None), workers=2
+    )
     keys = [s["__key__"] for batch in loader for s in batch]
     assert sorted(keys) == sorted(s["__key__"] for s in samples[:8]) and len(loader) == 4
 
@@ -90,7 +96,14 @@ def test_wds_split_smaller_than_a_batch_per_rank_says_so(tmp_path, samples) -> N
 
     path = write_dataset(tmp_path / "d", "wds", {"train": samples[:8]}, max_shard_samples=None)
     with pytest.raises(dlpipe.ShardCountError, match="fewer than one batch of 8 for each of 2"):
-        dlpipe.make_loader(path, batch_size=8, transform=None, num_workers=0, rank=0, world_size=2)
+        dlpipe.make_loader(
+            path,
+            "train",
+            dlpipe.LoaderConfig(batch_size=8, transform=None),
+            workers=0,
+            rank=0,
+            world_size=2,
+        )
 
 
 def test_wds_resume_seeks_past_finished_blocks(make_dataset) -> None:
@@ -114,10 +127,8 @@ def test_workers_under_fork_and_spawn_give_every_sample_once(fmt, context, make_
     loader = dlpipe.make_loader(
         make_dataset(fmt),
         "train",
-        batch_size=2,
-        transform=None,
-        num_workers=2,
-        multiprocessing_context=context,
+        dlpipe.LoaderConfig(batch_size=2, transform=None),
+        workers={"num_workers": 2, "multiprocessing_context": context},
         profile=None,
     )
     keys = [s["__key__"] for batch in loader for s in batch]
@@ -137,7 +148,9 @@ def test_worker_memory_does_not_grow_across_epochs(tmp_path) -> None:
     path = write_dataset(
         tmp_path / "d", "lmdb", {"train": mixed_samples(400)}, max_shard_samples=50
     )
-    loader = dlpipe.make_loader(path, batch_size=16, transform=None, num_workers=1, profile=None)
+    loader = dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=16, transform=None), workers=1, profile=None
+    )
     sizes = []
     for _ in range(4):
         assert sum(len(batch) for batch in loader) == 400
@@ -175,7 +188,12 @@ def test_wds_evaluation_reads_every_sample_once_with_more_readers_than_shards(
     keys = []
     for rank in range(2):
         loader = dlpipe.make_loader(
-            path, "val", batch_size=4, transform=None, num_workers=2, rank=rank, world_size=2
+            path,
+            "val",
+            dlpipe.LoaderConfig(batch_size=4, transform=None),
+            workers=2,
+            rank=rank,
+            world_size=2,
         )
         keys += [s["__key__"] for batch in loader for s in batch]
     assert sorted(keys) == sorted(s["__key__"] for s in samples[:13])
@@ -186,10 +204,15 @@ def test_an_in_process_loader_and_a_forked_one_share_a_dataset(fmt, make_dataset
     """An eval loader without workers keeps shards open while a train loader forks workers
     (a notebook, or a trainer evaluating in-process): the workers reopen them."""
     path = make_dataset(fmt)
-    in_process = dlpipe.make_loader(path, "val", batch_size=4, image_size=24, num_workers=0)
+    in_process = dlpipe.make_loader(
+        path, "val", dlpipe.LoaderConfig(batch_size=4, image_size=24), workers=0
+    )
     first = batch_list(in_process, 1)
     forked = dlpipe.make_loader(
-        path, "val", batch_size=4, image_size=24, num_workers=1, multiprocessing_context="fork"
+        path,
+        "val",
+        dlpipe.LoaderConfig(batch_size=4, image_size=24),
+        workers={"num_workers": 1, "multiprocessing_context": "fork"},
     )
     assert [labels.tolist() for _, labels in batch_list(forked)][:1] == [first[0][1].tolist()]
     assert len(batch_list(in_process)) == len(batch_list(forked))

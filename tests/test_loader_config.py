@@ -1,5 +1,5 @@
 """LoaderConfig and WorkerSettings: one config resolved once, the profile key from it, the tuner
-measuring exactly it, and make_loader's old keywords as overrides of single fields."""
+measuring exactly it, and make_loader taking them (its old keywords: test_loader_signature)."""
 
 from __future__ import annotations
 
@@ -81,31 +81,34 @@ def test_config_and_workers_make_the_loader(make_dataset) -> None:
     loader = dlpipe.make_loader(path, "train", config=config, workers=workers)
     images, labels = next(iter(loader))
     assert tuple(images.shape) == (4, 3, 24, 24) and loader.num_workers == 0
-    same = dlpipe.make_loader(
-        path, "train", 4, image_size=24, min_crop_scale=0.5, seed=3, num_workers=0
-    )  # the old keywords give the same batches
+    same = dlpipe.make_loader(path, "train", config, workers=0)  # a count: the same batches
     assert all((a == b).all() for a, b in zip(next(iter(same)), (images, labels)))
 
 
-def test_a_keyword_overrides_one_config_field(make_dataset, monkeypatch) -> None:
+def test_a_replaced_config_field_changes_that_field_only(make_dataset, monkeypatch) -> None:
     made = _record_transforms(monkeypatch)
     path = make_dataset("lmdb")
     config = dlpipe.LoaderConfig(batch_size=4, image_size=24, min_crop_scale=0.5)
-    loader = dlpipe.make_loader(path, config=config, batch_size=8, workers=None, num_workers=0)
+    loader = dlpipe.make_loader(path, "train", config.replace(batch_size=8), workers=0)
     assert loader.batch_size == 8 and made == [("train", 0.5)]
-    raw = dlpipe.make_loader(path, config=config, transform=None, num_workers=0)
+    raw = dlpipe.make_loader(path, "train", config.replace(transform=None), workers=0)
     assert isinstance(next(iter(raw))[0], dict)  # transform=None is a choice, not "not given"
 
 
-def test_worker_keywords_override_given_settings(make_dataset) -> None:
+def test_worker_fields_are_set_on_settings_or_over_the_automatic_ones(make_dataset) -> None:
     path = make_dataset("lmdb")
+    config = dlpipe.LoaderConfig(batch_size=4)
     workers = dlpipe.WorkerSettings(num_workers=2, prefetch_factor=6)
-    loader = dlpipe.make_loader(path, batch_size=4, workers=workers, prefetch_factor=3)
+    loader = dlpipe.make_loader(path, "train", config, workers=workers.replace(prefetch_factor=3))
     assert (loader.num_workers, loader.prefetch_factor) == (2, 3)
-    loader = dlpipe.make_loader(path, batch_size=4, workers=workers, num_workers=0)
+    loader = dlpipe.make_loader(path, "train", config, workers=workers.replace(num_workers=0))
     assert (loader.num_workers, loader.prefetch_factor) == (0, None)
+    loader = dlpipe.make_loader(
+        path, "train", config, workers={"num_workers": 2, "prefetch_factor": 3}
+    )
+    assert (loader.num_workers, loader.prefetch_factor, loader.origin) == (2, 3, "given")
     with pytest.raises(LoaderConfigError, match="workers='fast'"):
-        dlpipe.make_loader(path, batch_size=4, workers="fast")
+        dlpipe.make_loader(path, "train", config, workers="fast")
 
 
 def test_given_settings_pass_over_a_saved_profile(make_dataset) -> None:
@@ -118,8 +121,8 @@ def test_given_settings_pass_over_a_saved_profile(make_dataset) -> None:
         loader=profiles.loader_key("train", config),
     )
     profiles.save_profile(path, saved)
-    assert dlpipe.make_loader(path, config=config).prefetch_factor == 7
-    given = dlpipe.make_loader(path, config=config, workers=dlpipe.WorkerSettings(num_workers=0))
+    assert dlpipe.make_loader(path, "train", config).prefetch_factor == 7
+    given = dlpipe.make_loader(path, "train", config, workers=dlpipe.WorkerSettings(num_workers=0))
     assert given.num_workers == 0
 
 

@@ -24,10 +24,9 @@ def uneven(tmp_path, samples) -> dict[str, str]:
 def _rank_keys(path: str, rank: int, batch_size: int, drop_last: bool) -> tuple[int, list]:
     loader = dlpipe.make_loader(
         path,
-        batch_size=batch_size,
-        transform=None,
-        num_workers=2,
-        drop_last=drop_last,
+        "train",
+        dlpipe.LoaderConfig(batch_size=batch_size, transform=None, drop_last=drop_last),
+        workers=2,
         rank=rank,
         world_size=RANKS,
         profile=None,

@@ -22,7 +22,7 @@ from dlpipe.loading.profile import machine_key
 from dlpipe.loading.tune import BenchConfig
 from dlpipe.machine import usable_cpus
 import dlpipe
-loader = dlpipe.make_loader(sys.argv[1], "train", batch_size=4, profile=None)
+loader = dlpipe.make_loader(sys.argv[1], "train", dlpipe.LoaderConfig(batch_size=4), profile=None)
 print(json.dumps({
     "usable": usable_cpus(),
     "cpu_count": os.cpu_count(),
@@ -53,12 +53,14 @@ def test_proportional_set_size_counts_live_processes_and_skips_gone_ones() -> No
 
     from dlpipe.machine import proportional_set_size
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen(  # alive until killed below, however slow the machine
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         alone = proportional_set_size([os.getpid()])
         both = proportional_set_size([os.getpid(), child.pid])
         assert alone > 1_000_000 and both > alone  # this process, then a Python beside it
     finally:
         child.kill()
-        child.wait()
+        child.communicate()  # reaped, its stdin closed
     assert proportional_set_size([child.pid]) == 0  # gone: counts nothing

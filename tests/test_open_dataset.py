@@ -85,7 +85,7 @@ def test_a_pickled_dataset_carries_no_readers(many_shards, counted) -> None:
 
 def test_the_first_batch_makes_only_the_shards_it_reads(many_shards, counted) -> None:
     config = dlpipe.LoaderConfig(batch_size=4, transform=None, shuffle=False)
-    loader = dlpipe.make_loader(many_shards["lmdb"], config=config, workers=None, num_workers=0)
+    loader = dlpipe.make_loader(many_shards["lmdb"], "train", config, workers=0, profile=None)
     keys = [s["__key__"] for s in next(iter(loader))]
     assert keys == ["s0000", "s0001", "s0002", "s0003"]
     assert counted["made"] == counted["opened"] == 4

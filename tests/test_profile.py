@@ -139,7 +139,7 @@ def test_auto_uses_the_saved_settings_and_logs_them(make_dataset, caplog) -> Non
     path = make_dataset("lmdb")
     where = save_profile(path, _profile())
     with caplog.at_level(logging.INFO, logger="dlpipe"):
-        loader = dlpipe.make_loader(path, batch_size=4, image_size=24)
+        loader = dlpipe.make_loader(path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24))
     assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory) == (3, 5, False)
     assert (
         f"using loader profile from {where}: engine=processes num_workers=3 decode=cpu "
@@ -150,26 +150,37 @@ def test_auto_uses_the_saved_settings_and_logs_them(make_dataset, caplog) -> Non
 def test_explicit_settings_override_the_profile(make_dataset) -> None:
     path = make_dataset("lmdb")
     save_profile(path, _profile())
-    loader = dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=0)
+    loader = dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24), workers=0
+    )
     assert (loader.num_workers, loader.prefetch_factor) == (0, None)
-    loader = dlpipe.make_loader(path, batch_size=4, image_size=24, prefetch_factor=2)
+    loader = dlpipe.make_loader(
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, image_size=24),
+        workers={"prefetch_factor": 2},
+    )
     assert (loader.num_workers, loader.prefetch_factor) == (3, 2)
 
 
 def test_no_profile_gives_the_defaults(make_dataset, caplog) -> None:
     path = make_dataset("lmdb")
     with caplog.at_level(logging.DEBUG, logger="dlpipe"):
-        loader = dlpipe.make_loader(path, batch_size=4, image_size=24)
+        loader = dlpipe.make_loader(path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24))
     assert loader.num_workers == max(1, (os.cpu_count() or 1) - 1)
     assert loader.prefetch_factor == 2 and "no loader profile" in caplog.text
     save_profile(path, _profile())
-    loader = dlpipe.make_loader(path, batch_size=4, image_size=24, profile=None)
+    loader = dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24), profile=None
+    )
     assert loader.num_workers == max(1, (os.cpu_count() or 1) - 1)
 
 
 def test_a_profile_passed_directly_is_used_as_is(make_dataset) -> None:
     other_machine = _profile(1, machine={"cpus": 1, "gpu": "none", "torch": "0"})
-    loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, profile=other_machine)
+    loader = dlpipe.make_loader(
+        make_dataset("lmdb"), "train", dlpipe.LoaderConfig(batch_size=4), profile=other_machine
+    )
     assert (loader.num_workers, loader.prefetch_factor) == (1, 5)
 
 
@@ -186,7 +197,9 @@ def test_a_malformed_profiles_file_is_named(make_dataset, text, rule, caplog) ->
     bad = os.path.join(path, profiles.PROFILES_NAME)
     with open(bad, "w") as f:
         f.write(text)
-    loader = dlpipe.make_loader(path, batch_size=4, image_size=24)  # auto: a warning, defaults
+    loader = dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24)
+    )  # auto: a warning, defaults
     assert loader.prefetch_factor == 2 and bad in caplog.text and rule in caplog.text
     with pytest.raises(ProfileError, match=rule) as info:
         find_profile(path, **KEY)
@@ -222,7 +235,7 @@ def test_a_measured_worker_count_past_the_cores_is_not_warned_about(make_dataset
     save_profile(path, _profile(many))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loader = dlpipe.make_loader(path, batch_size=4, image_size=24)
+        loader = dlpipe.make_loader(path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24))
         assert loader.num_workers == many and sum(len(b[1]) for b in loader) > 0
     assert not [w for w in caught if "worker" in str(w.message)]
     assert loader.settings_line() == (
@@ -230,9 +243,18 @@ def test_a_measured_worker_count_past_the_cores_is_not_warned_about(make_dataset
         "(profile)"
     )
     with pytest.warns(UserWarning, match="worker"):
-        given = dlpipe.make_loader(path, batch_size=4, image_size=24, num_workers=many)
+        given = dlpipe.make_loader(
+            path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24), workers=many
+        )
     assert given.settings_line().endswith("(given)")
-    defaults = dlpipe.make_loader(path, batch_size=4, image_size=24, profile=None)
+    defaults = dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=24), profile=None
+    )
     assert defaults.settings_line().endswith("prefetch_factor=2 pin_memory=False (defaults)")
-    threads = dlpipe.make_loader(path, batch_size=4, image_size=24, engine="threads")
+    threads = dlpipe.make_loader(
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, image_size=24),
+        workers={"engine": "threads"},
+    )
     assert threads.settings_line().startswith(f"engine=threads num_workers={many} decode=cpu")

@@ -60,12 +60,16 @@ def _sampler_outputs(sampler: EpochSampler, start: int) -> Iterator[Any]:
 
 
 def _loader(path: str) -> Any:
-    return dlpipe.make_loader(path, "train", 4, image_size=8, num_workers=0, seed=5)
+    return dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=8, seed=5), workers=0
+    )
 
 
 def _threaded_loader(path: str) -> Any:
     threads = dlpipe.WorkerSettings(num_workers=2, engine="threads")
-    return dlpipe.make_loader(path, "train", 4, image_size=8, workers=threads, seed=5)
+    return dlpipe.make_loader(
+        path, "train", dlpipe.LoaderConfig(batch_size=4, image_size=8, seed=5), workers=threads
+    )
 
 
 def _loader_outputs(loader: Any, start: int) -> Iterator[Any]:

@@ -160,10 +160,9 @@ def keys(batch: list[dict]) -> list[str]:
     return [sample["key"] for sample in batch]
 
 
-def loader(path: str, workers: int, **options) -> dlpipe.PreparedLoader:
-    return dlpipe.make_loader(
-        path, batch_size=4, transform=worker_of, num_workers=workers, seed=3, **options
-    )
+def loader(path: str, workers: int) -> dlpipe.PreparedLoader:
+    config = dlpipe.LoaderConfig(batch_size=4, transform=worker_of, seed=3)
+    return dlpipe.make_loader(path, "train", config, workers=workers)
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers on 2 cores
@@ -218,9 +217,9 @@ def test_worker_batches_give_every_sample_as_zero_workers_do(workers, tmp_path, 
     batches from each worker, the short one last; each sample once, with the 0-worker
     loader's pixels."""
     path = write_dataset(tmp_path / "data", "wds", {"train": samples}, max_shard_samples=5)
-    options = dict(batch_size=16, image_size=16, profile=None, drop_last=False, seed=2)
-    inline = batch_list(dlpipe.make_loader(path, "train", num_workers=0, **options))
-    loaded = batch_list(dlpipe.make_loader(path, "train", num_workers=workers, **options))
+    config = dlpipe.LoaderConfig(batch_size=16, image_size=16, drop_last=False, seed=2)
+    inline = batch_list(dlpipe.make_loader(path, "train", config, workers=0, profile=None))
+    loaded = batch_list(dlpipe.make_loader(path, "train", config, workers=workers, profile=None))
     assert [len(b[0]) for b in loaded] == [16, 16, 8]
     assert per_sample(loaded) == per_sample(inline)
 

@@ -23,8 +23,9 @@ def _same(a, b) -> bool:
     )
 
 
-def _loader(path, workers, **kwargs):
-    return dlpipe.make_loader(path, batch_size=4, image_size=24, seed=5, workers=workers, **kwargs)
+def _loader(path, workers):
+    config = dlpipe.LoaderConfig(batch_size=4, image_size=24, seed=5)
+    return dlpipe.make_loader(path, "train", config, workers=workers)
 
 
 def _engine_threads() -> list[threading.Thread]:
@@ -35,7 +36,7 @@ def _engine_threads() -> list[threading.Thread]:
 def test_threads_give_the_zero_worker_batches_bit_for_bit(fmt, make_dataset) -> None:
     """Two epochs, train transform: same samples, same order, same augmentation."""
     path = make_dataset(fmt)
-    inline = _loader(path, None, num_workers=0)
+    inline = _loader(path, 0)
     threaded = _loader(path, THREADS)
     for _ in range(2):
         assert _same(batch_list(inline), batch_list(threaded))
@@ -53,7 +54,7 @@ def test_threads_start_no_process_and_close_ends_their_threads(fmt, make_dataset
     assert 1 <= len(_engine_threads()) <= 2
     loader.close()
     for thread in _engine_threads():
-        thread.join(timeout=10)
+        thread.join(timeout=600)  # a bound on a hang only: close() ends them
     assert not _engine_threads()
     assert len(batch_list(loader)) == 8  # a closed loader starts its pool again
 
@@ -88,7 +89,7 @@ def test_ranks_on_threads_are_the_zero_worker_ranks(fmt, tmp_path, samples) -> N
     keys = []
     for rank in range(2):
         ours = rank_keys(path, rank, workers=THREADS)
-        assert ours == rank_keys(path, rank, num_workers=0) and len(ours) == 16
+        assert ours == rank_keys(path, rank, workers=0) and len(ours) == 16
         keys.append(set(ours))
     assert not keys[0] & keys[1]
 
@@ -97,18 +98,33 @@ def test_a_sample_that_does_not_decode_is_the_same_named_error(tmp_path, samples
     broken = [dict(s) for s in samples[:12]]
     broken[5]["jpg"] = b"\xff\xd8\xff\xe0 not a jpeg at all"
     path = write_dataset(tmp_path / "d", "lmdb", {"train": broken})
-    loader = dlpipe.make_loader(path, batch_size=4, image_size=24, shuffle=False, workers=THREADS)
+    loader = dlpipe.make_loader(
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, image_size=24, shuffle=False),
+        workers=THREADS,
+    )
     with pytest.raises(FieldDecodeError, match=repr(broken[5]["__key__"])):
         list(loader)
     loader.close()
 
 
 def test_the_engine_keyword_overrides_the_settings(make_dataset) -> None:
-    loader = dlpipe.make_loader(make_dataset("lmdb"), batch_size=4, num_workers=3, engine="threads")
+    loader = dlpipe.make_loader(
+        make_dataset("lmdb"),
+        "train",
+        dlpipe.LoaderConfig(batch_size=4),
+        workers={"num_workers": 3, "engine": "threads"},
+    )
     threads = loader._stages.threads
     assert threads is not None and threads.threads == 3 and loader.num_workers == 0
     with pytest.raises(LoaderConfigError, match="engine='greenlets'"):
-        dlpipe.make_loader(make_dataset("wds"), batch_size=4, engine="greenlets")
+        dlpipe.make_loader(
+            make_dataset("wds"),
+            "train",
+            dlpipe.LoaderConfig(batch_size=4),
+            workers={"engine": "greenlets"},
+        )
 
 
 def test_a_custom_transform_runs_on_the_threads(make_dataset) -> None:
@@ -120,10 +136,16 @@ def test_a_custom_transform_runs_on_the_threads(make_dataset) -> None:
 
     path = make_dataset("hdf5")
     loader = dlpipe.make_loader(
-        path, batch_size=4, transform=label_only, workers=THREADS, shuffle=False
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, transform=label_only, shuffle=False),
+        workers=THREADS,
     )
     inline = dlpipe.make_loader(
-        path, batch_size=4, transform=label_only, num_workers=0, shuffle=False
+        path,
+        "train",
+        dlpipe.LoaderConfig(batch_size=4, transform=label_only, shuffle=False),
+        workers=0,
     )
     assert [b.tolist() for b in loader] == [b.tolist() for b in inline]
     assert any(name.startswith("dlpipe-loader") for name in seen)
@@ -159,8 +181,8 @@ def test_loading_threads_run_torch_ops_on_one_thread_and_the_caller_keeps_its_ow
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        loader = dlpipe.make_loader(make_dataset(fmt), batch_size=4, transform=label_only,
-                                    workers=workers)  # fmt: skip
+        config = dlpipe.LoaderConfig(batch_size=4, transform=label_only)
+        loader = dlpipe.make_loader(make_dataset(fmt), "train", config, workers=workers)
         between = {torch.get_num_threads() for batch in loader}
         assert counts == {1} and between == {2} and torch.get_num_threads() == 2
     finally:

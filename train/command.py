@@ -44,6 +44,7 @@ def config_flags() -> dict[str, tuple[str, str]]:
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     from dlpipe.loading.config import DECODE_DEVICES, ENGINES
+    from dlpipe.train.config import TUNE_CHOICES
 
     p = sub.add_parser("train", help="train an image classifier on a prepared dataset")
     p.add_argument("data", nargs="?", help="dataset folder or URL (or [data] path in --config)")
@@ -84,6 +85,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         choices=["auto", *DECODE_DEVICES],
         help="where JPEGs are decoded: cuda decodes each batch on the GPU (auto: the profile's)",
     )
+    p.add_argument(
+        "--tune",
+        choices=list(TUNE_CHOICES),
+        help="auto: with no saved loader profile for this dataset on this machine, tune the "
+        "loader for a few seconds first and save the result; off: the default settings",
+    )
     p.add_argument("--keep-last", type=int, help="step checkpoints kept (2), plus best.pt")
     p.add_argument("--checkpoint-every", type=int, help="also checkpoint every N steps")
     p.add_argument("--log-every", type=int, help="log the step loss every N steps (20)")
@@ -120,7 +127,7 @@ def run_train(args: argparse.Namespace, console: Console) -> int:
 
             config = load_config(args.config, overrides(args))
             if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
-                return _preflight_and_launch(config, args, guard)
+                return _preflight_and_launch(config, args, guard, console)
             return _train_here(config, console, guard)
     except Interrupted as stop:
         return _interrupted(stop.name, stop.exit_code)
@@ -205,8 +212,11 @@ def _warn(text: str) -> None:
     print(f"warning: {printable(text)}", file=sys.stderr)
 
 
-def _preflight_and_launch(config: Any, args: argparse.Namespace, guard: Any) -> int:
-    """Check everything once here (one ``error:`` line for bad input), then start torchrun."""
+def _preflight_and_launch(
+    config: Any, args: argparse.Namespace, guard: Any, console: Console
+) -> int:
+    """Check everything once here (one ``error:`` line for bad input), tune the loader if no
+    saved profile fits (`_tune_for_ranks`), then start torchrun."""
     from dlpipe.train.preflight import preflight
 
     if args.nproc_per_node < 1:
@@ -215,7 +225,43 @@ def _preflight_and_launch(config: Any, args: argparse.Namespace, guard: Any) -> 
         raise ConfigError(f"--nproc-per-node {args.nproc_per_node} must be a positive integer")
     resolved = config.resolved()
     preflight(resolved, args.nproc_per_node, _warn)
+    _tune_for_ranks(resolved, args.nproc_per_node, console)
     return _launch(args.nproc_per_node, args.argv, guard)
+
+
+def _tune_for_ranks(config: Any, nproc: int, console: Console) -> None:
+    """``--tune auto`` under ``--nproc-per-node``: the ranks do not tune (N processes
+    measuring at once would measure each other, and each would save its own winner); the
+    launcher does, once, before it starts them: a rank's micro-batch, up to its share of the
+    cores (all of them / `nproc` workers: the ranks share the machine), CPU decode only (CUDA
+    started here would hold GPU 0 for the whole run). It saves the profile, which the ranks
+    then find. Nothing to do when a saved profile fits, with ``--tune off`` or a
+    ``--num-workers`` given."""
+    from rich.markup import escape
+
+    from dlpipe.loading.profile import nearest_profile
+    from dlpipe.loading.tune import training_profile
+    from dlpipe.machine import usable_cpus
+    from dlpipe.train.config import plan_batches
+    from dlpipe.train.trainer import train_loader_config
+
+    d, r = config.data, config.run
+    if d.tune == "off" or d.num_workers is not None:
+        return
+    plan = plan_batches(r.batch_size, nproc, r.micro_batch)
+    loader = train_loader_config(config, plan.micro_batch, "train")
+    decode = None if d.decode == "auto" else d.decode
+    if nearest_profile(d.path, split=d.train_split, config=loader, decode=decode) is not None:
+        return  # each rank finds it and says which
+    _, why = training_profile(
+        d.path,
+        d.train_split,
+        loader,
+        decode=decode,
+        max_workers=max(1, usable_cpus() // nproc),
+        announce=lambda text: console.print(escape(text)),
+    )
+    console.print(f"loader for each of the {nproc} ranks: {escape(why)}")
 
 
 def _print_summary(summary: Any, console: Console) -> None:

@@ -49,8 +49,9 @@ __all__ = [
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
+TUNE_CHOICES = ("auto", "off")  # data.tune, --tune
 MAX_IMAGE_SIZE = 4096  # a crop side past this is a typo, and would allocate gigabytes a batch
-# The range of every other number (README, "Security and failure model"): past these a value
+# The range of every other number (docs/security.md, "Training"): past these a value
 # is a typo or an attack, and overflows a float32 step, a timedelta or a schedule (lr = 1e308,
 # warmup_epochs = 1e308) long before it trains anything.
 MAX_EPOCHS = 100_000  # also warmup_epochs and early_stop_patience
@@ -77,9 +78,12 @@ class DataConfig:
     val_split: str = "val"  # "" trains without validation
     image_size: int = 224
     min_crop_scale: float = 0.08  # RandomResizedCrop's smallest area share (timm's --scale)
-    num_workers: int | None = None  # None: the bench-loader profile, else all cores but one
-    engine: str = "auto"  # "auto": the bench-loader profile's, "processes" or "threads"
-    decode: str = "auto"  # "auto": the bench-loader profile's (else cpu), "cpu" or "cuda"
+    # None: the nearest saved profile of this machine, else a short tune (tune = "auto"),
+    # else all cores but one
+    num_workers: int | None = None
+    engine: str = "auto"  # "auto": the profile's, "processes" or "threads"
+    decode: str = "auto"  # "auto": the profile's (else cpu), "cpu" or "cuda"
+    tune: str = "auto"  # "auto": tune the loader for a few seconds when no saved profile fits
 
 
 @dataclass(kw_only=True)
@@ -252,6 +256,11 @@ class TrainConfig:
             f"data.decode = {d.decode!r} must be auto, cpu or cuda (where JPEGs are decoded)",
         )
         _require(
+            d.tune in TUNE_CHOICES,
+            f"data.tune = {d.tune!r} must be auto or off (whether a run without a fitting "
+            "saved loader profile tunes the loader first)",
+        )
+        _require(
             0 < d.min_crop_scale <= 1,
             f"data.min_crop_scale = {d.min_crop_scale} must be in (0, 1]",
         )
@@ -405,7 +414,7 @@ def _at_most(name: str, value: float | None, most: float | None) -> None:
         derived = " (sgd's default is 0.1 x batch_size/256: set --lr)" if name == "optim.lr" else ""
         raise ConfigError(
             f"{name} = {value} must be at most {shown}{derived}; give a value in its documented "
-            "range (README: Security and failure model)"
+            "range (docs/security.md, 'Training')"
         )
 
 

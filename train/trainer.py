@@ -28,7 +28,9 @@ from rich.markup import escape
 from torch import nn
 
 from dlpipe.errors import SplitTooSmallError
+from dlpipe.loading.config import LoaderConfig
 from dlpipe.loading.loader import make_loader
+from dlpipe.loading.profile import LoaderProfile
 from dlpipe.train import checkpoint as ckpt
 from dlpipe.train import preflight, progress, resume, runfolder
 from dlpipe.train.config import TrainConfig, plan_batches, to_toml
@@ -42,7 +44,7 @@ from dlpipe.train.reporting import RunLogger
 from dlpipe.train.signals import StopSignals
 from dlpipe.train.step import StepResult, StepRunner, TrainingError, resolve_precision
 
-__all__ = ["RunSummary", "Trainer"]
+__all__ = ["RunSummary", "Trainer", "train_loader_config"]
 
 
 class Trainer:
@@ -68,6 +70,7 @@ class Trainer:
         self.train_loader: Any = None
         self.val_loader: Any = None
         self._next_pass: Any = None  # the next epoch's batches, begun at the end of this one
+        self.loader_source = ""  # where the train loader's settings came from (its line)
         self.logger: RunLogger | None = None
         try:
             self._build(config, console, show_config, warn)
@@ -156,26 +159,51 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------
 
     def _loader(self, split: str, transform: str) -> Any:
-        from dlpipe.loading.config import LoaderConfig
-
-        d, r = self.config.data, self.config.run
-        config = LoaderConfig(
-            batch_size=self.plan.micro_batch,
-            transform=transform,
-            image_size=d.image_size,
-            min_crop_scale=d.min_crop_scale,
-            seed=r.seed,
-        )
+        """A loader of `split`: the train loader on the profile `_train_profile` chooses (and
+        says why, `loader_source`), the val loader on the nearest saved one, if any."""
+        d = self.config.data
+        config = train_loader_config(self.config, self.plan.micro_batch, transform)
+        profile: LoaderProfile | str | None = "auto"
+        if transform == "train":
+            profile, self.loader_source = self._train_profile(config)
+        given = {"num_workers": d.num_workers, "engine": d.engine, "decode": d.decode}
+        workers = {k: v for k, v in given.items() if v not in (None, "auto")}
         return make_loader(
             d.path,
             split,
-            config=config,
-            num_workers=d.num_workers,
-            engine=None if d.engine == "auto" else d.engine,
-            decode=d.decode,
+            config,
+            workers=workers,
+            profile=profile,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
+
+    def _train_profile(self, config: LoaderConfig) -> tuple[LoaderProfile | str | None, str]:
+        """The train loader's profile (None: the defaults) and where it came from: the nearest
+        saved one; else a few seconds' tune now (``--tune auto``, one process only: under
+        ``--nproc-per-node`` the launcher tuned before it started the ranks); else the
+        defaults. A ``--num-workers`` given is the user's choice: no tune."""
+        from dlpipe.loading.tune import training_profile
+
+        d = self.config.data
+        if d.num_workers is not None:
+            return "auto", f"given: --num-workers {d.num_workers}"
+        ranks = self.dist.world_size > 1
+        why_not = "--tune off" if d.tune == "off" else _RANKS_DO_NOT_TUNE
+        profile, why = training_profile(
+            d.path,
+            d.train_split,
+            config,
+            tune=d.tune == "auto" and not ranks,
+            why_not=why_not,
+            device=self.dist.device.type,
+            decode=None if d.decode == "auto" else d.decode,
+            announce=lambda text: self.console.print(escape(text)),
+        )
+        given = [
+            f"--{k} {v}" for k, v in (("engine", d.engine), ("decode", d.decode)) if v != "auto"
+        ]
+        return profile, why + "".join(f"; {flag} given" for flag in given)
 
     def _val_loader(self) -> Any:
         warn = self.warn if self.dist.is_main else (lambda text: None)
@@ -392,7 +420,8 @@ class Trainer:
             f"{self.precision.name}; data {escape(d.path)} ({self.manifest.format}); run folder "
             f"{escape(self.run_dir)}"
         )
-        self.console.print(f"train loader {escape(self.train_loader.settings_line())}")
+        line = f"{self.train_loader.settings.line()} ({self.loader_source})"
+        self.console.print(f"train loader {escape(line)}")
 
     def _summary(self, stopped: str, path: str | None) -> RunSummary:
         return progress.run_summary(self.run_dir, self.counters, stopped, path)
@@ -415,6 +444,25 @@ class Trainer:
         dist = getattr(self, "dist", None)
         if dist is not None:
             dist.close()
+
+
+_RANKS_DO_NOT_TUNE = (
+    "no saved profile fits, and ranks do not tune (dlpipe train --nproc-per-node tunes once "
+    "before it starts them; or run dlpipe bench-loader)"
+)
+
+
+def train_loader_config(config: TrainConfig, micro_batch: int, transform: str) -> LoaderConfig:
+    """The `LoaderConfig` of a run's loaders (`transform` ``"train"`` or ``"eval"``): the
+    one its profiles are keyed by, here and in the ``--nproc-per-node`` launcher."""
+    d = config.data
+    return LoaderConfig(
+        batch_size=micro_batch,
+        transform=transform,
+        image_size=d.image_size,
+        min_crop_scale=d.min_crop_scale,
+        seed=config.run.seed,
+    )
 
 
 def _take(batches: Iterator[Any], count: int) -> list[Any]:

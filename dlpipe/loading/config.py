@@ -10,14 +10,18 @@ The config decides the data: the same config gives the same batches whatever the
 ``drop_last``) in one place; `dlpipe.loading.profile.loader_key` derives a saved profile's key
 from it, and ``dlpipe bench-loader`` measures exactly the config it is given. The worker
 settings change only the speed: they are what a profile stores and what the tuner searches.
-Nothing here imports torch.
+`loader_arguments` reads `make_loader`'s ``config`` and ``workers`` (``"auto"``, a count, a
+`WorkerSettings` or a dict of its fields), and its keywords from before that signature, for one
+release. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
-from collections.abc import Callable
+import multiprocessing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,7 @@ from dlpipe.errors import DlpipeError
 from dlpipe.machine import usable_cpus, worker_limit
 
 __all__ = [
+    "LoaderArgumentError",
     "LoaderConfig",
     "LoaderConfigError",
     "WorkerSettings",
@@ -48,6 +53,10 @@ MAX_PREFETCH_FACTOR = 64
 
 class LoaderConfigError(DlpipeError, ValueError):
     """A `LoaderConfig` or `WorkerSettings` field breaks its rule."""
+
+
+class LoaderArgumentError(LoaderConfigError, TypeError):
+    """`make_loader` got a keyword it does not take, or one field two ways."""
 
 
 def _reject(what: str, value: Any, rule: str, fix: str) -> LoaderConfigError:
@@ -151,6 +160,9 @@ class WorkerSettings:
             resized on the GPU and yielded there: `dlpipe.loading.device_decode`). The
             pixels agree within decoder and interpolation error; the boxes and flips are
             the same draws.
+        multiprocessing_context: how worker processes start: ``"fork"``, ``"spawn"`` or
+            ``"forkserver"`` (None: the platform's); readers reopen in each worker either
+            way. Unused with 0 workers and with threads.
     """
 
     num_workers: int
@@ -159,6 +171,7 @@ class WorkerSettings:
     persistent_workers: bool = True
     engine: str = "processes"
     decode: str = "cpu"
+    multiprocessing_context: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_workers) or self.num_workers < 0:
@@ -179,9 +192,12 @@ class WorkerSettings:
             raise _reject("engine", self.engine, rule, "pass one of those")
         if self.decode not in DECODE_DEVICES:
             rule = "is not 'cpu' or 'cuda'"
-            raise _reject(
-                "decode", self.decode, rule, "pass one of those (or 'auto' to make_loader)"
-            )
+            fix = "pass one of those (or leave it out of workers= for the profile's choice)"
+            raise _reject("decode", self.decode, rule, fix)
+        methods = multiprocessing.get_all_start_methods()
+        if self.multiprocessing_context is not None and self.multiprocessing_context not in methods:
+            rule = f"is not None or a start method of this platform {tuple(methods)}"
+            raise _reject("multiprocessing_context", self.multiprocessing_context, rule, "pass one")
         if self.engine == "threads" and self.num_workers < 1:
             rule = "is not 1 or more, as the threads engine needs"
             raise _reject("num_workers", self.num_workers, rule, "pass the thread count")
@@ -216,6 +232,7 @@ class WorkerSettings:
         }
         if self.num_workers > 0:
             options["prefetch_factor"] = self.prefetch_factor or 2
+            options["multiprocessing_context"] = self.multiprocessing_context
         return options
 
 
@@ -257,3 +274,154 @@ def bounded_workers(settings: WorkerSettings, origin: str) -> WorkerSettings:
         limit.workers,
     )
     return settings.replace(num_workers=limit.workers)
+
+
+# --- make_loader's arguments ---------------------------------------------------------------
+
+# make_loader's keywords before its one signature: each sets one field, accepted for one release
+# (`loader_arguments`); a new field is a `LoaderConfig` or `WorkerSettings` field, never one here
+LEGACY_CONFIG_KEYWORDS: tuple[str, ...] = (
+    "batch_size",
+    "transform",
+    "image_size",
+    "min_crop_scale",
+    "shuffle",
+    "seed",
+    "drop_last",
+)
+LEGACY_WORKER_KEYWORDS: tuple[str, ...] = (
+    "num_workers",
+    "prefetch_factor",
+    "pin_memory",
+    "engine",
+    "decode",
+    "multiprocessing_context",
+)
+LOADER_PARAMETERS = ("path", "split", "config", "workers", "profile", "rank", "world_size")
+WORKER_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerSettings))
+# what `make_loader` passes on: the workers named ("auto", None or settings) and the fields set
+WorkerRequest = tuple[str | WorkerSettings | None, dict[str, Any]]
+
+
+def loader_arguments(
+    config: Any, workers: Any, legacy: Mapping[str, Any]
+) -> tuple[LoaderConfig | None, WorkerRequest, str | None]:
+    """`make_loader`'s config, workers and old keywords as (the config, the workers named and
+    the worker fields set over them, the deprecation notice for old keywords or None).
+
+    ``workers`` is ``"auto"``, None, a worker count (``"auto"`` with that ``num_workers``), a
+    `WorkerSettings`, or a mapping of its fields (``"auto"`` with those fields set).
+
+    Raises:
+        LoaderArgumentError: an unknown keyword, or a field given both in the new spelling and
+            as an old keyword (TypeError, as Python's own).
+        LoaderConfigError: `config` or `workers` is none of the kinds above, or a field given
+            breaks its rule.
+    """
+    request = _worker_request(workers)
+    notice = None
+    if legacy or _is_int(config):
+        config, request, notice = _from_legacy(config, request, dict(legacy))
+    if config is not None and not isinstance(config, LoaderConfig):
+        rule = "is not a LoaderConfig or None"
+        raise _reject("config", config, rule, "pass config=dlpipe.LoaderConfig(batch_size=64)")
+    return config, request, notice
+
+
+def _worker_request(workers: Any) -> WorkerRequest:
+    if (
+        workers is None
+        or isinstance(workers, WorkerSettings)
+        or (isinstance(workers, str) and workers == "auto")
+    ):
+        return workers, {}
+    if _is_int(workers):
+        if workers < 0:
+            raise _reject("workers", workers, "is not a worker count >= 0", "pass 0 or more")
+        return "auto", {"num_workers": workers}
+    if isinstance(workers, Mapping):
+        for name, value in workers.items():
+            if name not in WORKER_FIELDS:
+                rule = f"names {name!r}, which is not a WorkerSettings field {WORKER_FIELDS}"
+                raise _reject("workers", dict(workers), rule, "pass those fields only")
+            if value is None:
+                rule = f"sets {name} to None"
+                raise _reject("workers", dict(workers), rule, f"leave {name} out, or set it")
+        return "auto", dict(workers)
+    rule = "is not 'auto', None, a worker count, a WorkerSettings or a dict of its fields"
+    raise _reject("workers", workers, rule, "pass one of those")
+
+
+def _from_legacy(
+    config: Any, request: WorkerRequest, legacy: dict[str, Any]
+) -> tuple[LoaderConfig | None, WorkerRequest, str]:
+    """The old keywords (and an int third argument, the old batch size) in the new spelling."""
+    for name in legacy:
+        if name not in LEGACY_CONFIG_KEYWORDS + LEGACY_WORKER_KEYWORDS:
+            raise LoaderArgumentError(_unknown(name))
+    old = [f"{name}=" for name in legacy]
+    if _is_int(config):
+        if "batch_size" in legacy:
+            raise _twice("batch_size", "as the third argument", legacy["batch_size"], "it once")
+        legacy, config = {"batch_size": config, **legacy}, None
+        old.insert(0, "a batch size as the third argument")
+    given = {k: v for k, v in legacy.items() if v is not None or k == "transform"}
+    if given.get("decode") == "auto":  # the old "not given"
+        del given["decode"]
+    fields = {k: v for k, v in given.items() if k in LEGACY_CONFIG_KEYWORDS}
+    if fields and config is not None:
+        name, value = next(iter(fields.items()))
+        raise _twice(name, "in config=", value, f"config=config.replace({name}={value!r}) alone")
+    base, changes = request
+    for name, value in given.items():
+        if isinstance(base, WorkerSettings) and name in LEGACY_WORKER_KEYWORDS:
+            fix = f"workers=workers.replace({name}={value!r}) alone"
+            raise _twice(name, "in workers=", value, fix)
+        if name in changes:
+            raise _twice(name, "in workers=", value, "it once, in workers=")
+    worker_fields = {k: v for k, v in given.items() if k in LEGACY_WORKER_KEYWORDS}
+    config = LoaderConfig(**fields) if fields else config
+    request = (base, {**changes, **worker_fields})
+    return config, request, _notice(old, fields, request)
+
+
+def _unknown(name: str) -> str:
+    text = f"make_loader() got an unexpected keyword argument {name!r}"
+    if name in WORKER_FIELDS:
+        return f"{text}; it is a WorkerSettings field: pass workers={{{name!r}: ...}}"
+    known = LOADER_PARAMETERS + LEGACY_CONFIG_KEYWORDS + LEGACY_WORKER_KEYWORDS
+    near = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    return (
+        f"{text}; {hint}make_loader takes {', '.join(LOADER_PARAMETERS)} (LoaderConfig's "
+        "fields go in config=, WorkerSettings' in workers=)"
+    )
+
+
+def _twice(name: str, where: str, value: Any, fix: str) -> LoaderArgumentError:
+    return LoaderArgumentError(
+        f"make_loader() got {name} twice: {where} and as the old keyword {name}={value!r}; "
+        f"pass {fix}"
+    )
+
+
+def _notice(old: list[str], fields: dict[str, Any], request: WorkerRequest) -> str:
+    """The deprecation notice: the old keywords given and the same loader in the new spelling."""
+    parts = []
+    if fields:
+        values = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        parts.append(f"config=dlpipe.LoaderConfig({values})")
+    base, changes = request
+    if changes and not isinstance(base, WorkerSettings):
+        count = changes.get("num_workers")
+        parts.append(
+            f"workers={count}" if list(changes) == ["num_workers"] else f"workers={changes}"
+        )
+        if base is None:
+            parts.append("profile=None")
+    new = ", ".join(parts) or "nothing (None and decode='auto' meant the default)"
+    return (
+        f"make_loader's old arguments ({', '.join(old)}) are deprecated and go in the next "
+        f"release; pass {new} "
+        f"(make_loader({', '.join(LOADER_PARAMETERS)}); this warning is shown once)"
+    )

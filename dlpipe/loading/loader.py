@@ -1,6 +1,6 @@
 """`make_loader`: a prepared dataset as a resumable DataLoader of uint8 batches.
 
-    loader = dlpipe.make_loader("data/pets-lmdb", "train", batch_size=256)
+    loader = dlpipe.make_loader("data/pets-lmdb", "train", dlpipe.LoaderConfig(batch_size=256))
     len(loader)                            # the batches this rank yields this epoch, exactly
     for images, labels in loader:          # uint8 (N, 3, 224, 224), int64 (N,)
         x = dlpipe.normalize(images, "cuda")
@@ -30,17 +30,18 @@ What the batches are is one `LoaderConfig`, resolved for the split once; how fas
 one `WorkerSettings` (`dlpipe.loading.config`): given, or (``workers="auto"``) the profile
 ``dlpipe bench-loader`` measured for this dataset, machine and config (`dlpipe.loading.profile`),
 otherwise a sensible default (all usable cores but one, prefetch 2, pinned memory when CUDA is
-there). The old keywords (``batch_size=``, ``image_size=``, ``num_workers=``, ...) override
-single fields of either.
+there); ``workers=4`` or ``workers={"engine": "threads"}`` set fields over that choice. The
+keywords before this signature (``batch_size=``, ``num_workers=``, ...) still set one field
+each for one release, with one FutureWarning (`dlpipe.loading.config.loader_arguments`).
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from dlpipe.loading.config import (
     WorkerSettings,
     bounded_workers,
     default_workers,
+    loader_arguments,
 )
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
 from dlpipe.loading.order import EpochSampler, Run, StreamOrder, merge_runs
@@ -63,11 +65,11 @@ from dlpipe.loading.threads import one_torch_thread
 from dlpipe.loading.transforms import ImageTransform, image_field
 from dlpipe.loading.views import MapView, StreamView
 from dlpipe.processes import stop_signals_blocked
-from dlpipe.sample import Sample
 
 __all__ = ["PreparedLoader", "StaleIteratorError", "make_loader"]
 
-SampleFn = Callable[[Sample], Any]
+# make_loader's ``workers=``: "auto", None, a count, settings, or a dict of settings' fields
+Workers = str | int | WorkerSettings | Mapping[str, Any] | None
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
@@ -283,37 +285,23 @@ def make_transform(config: LoaderConfig, dataset: PreparedDataset) -> Callable[.
     )
 
 
-class _Unset(enum.Enum):
-    """`make_loader`'s ``transform=`` when not given (None is a transform choice)."""
-
-    TOKEN = 0
-
-
-def _loader_config(
-    config: LoaderConfig | None, split: str, transform: Any, **fields: Any
-) -> LoaderConfig:
-    """`config` (or the defaults) with each keyword given set, resolved for `split`."""
-    changes = {name: value for name, value in fields.items() if value is not None}
-    if transform is not _Unset.TOKEN:
-        changes["transform"] = transform
-    return (config or LoaderConfig()).replace(**changes).resolved(split)
-
-
 def _worker_settings(
     workers: str | WorkerSettings | None,
     profile: str | LoaderProfile | None,
     where: tuple[str | os.PathLike[str], str, LoaderConfig],
     **fields: Any,
 ) -> tuple[WorkerSettings, str]:
-    """The settings `workers` names (``"auto"``: the saved profile, else the defaults), with
-    each keyword given set; and where they came from: ``"profile"`` (a saved profile's worker
-    count), ``"defaults"`` or ``"given"`` (a `WorkerSettings`, or ``num_workers`` passed)."""
+    """The settings `workers` names (``"auto"``: the nearest saved profile, else the
+    defaults), with each keyword given set; and where they came from: ``"profile"`` (a saved
+    profile's worker count), ``"defaults"`` or ``"given"`` (a `WorkerSettings`, or
+    ``num_workers`` passed)."""
     origin = "given"
     if isinstance(workers, WorkerSettings):
         base = workers
     elif workers == "auto":
         path, split, config = where
-        chosen = select_profile(profile, path, split=split, config=config)
+        decode = fields.get("decode")  # prefer a profile measured decoding there
+        chosen = select_profile(profile, path, split=split, config=config, decode=decode)
         base = default_workers() if chosen is None else chosen.settings
         origin = "defaults" if chosen is None else "profile"
     elif workers is None:
@@ -331,74 +319,57 @@ def _worker_settings(
 def make_loader(
     path: str | os.PathLike[str],
     split: str = "train",
-    batch_size: int | None = None,
-    *,
     config: LoaderConfig | None = None,
-    workers: str | WorkerSettings | None = "auto",
-    transform: str | SampleFn | _Unset | None = _Unset.TOKEN,
-    image_size: int | None = None,
-    min_crop_scale: float | None = None,
-    shuffle: bool | None = None,
-    seed: int | None = None,
-    drop_last: bool | None = None,
-    num_workers: int | None = None,
-    prefetch_factor: int | None = None,
-    pin_memory: bool | None = None,
-    engine: str | None = None,
-    decode: str | None = None,
+    *,
+    workers: Workers = "auto",
+    profile: str | LoaderProfile | None = "auto",
     rank: int | None = None,
     world_size: int | None = None,
-    profile: str | LoaderProfile | None = "auto",
-    multiprocessing_context: str | None = None,
+    **legacy: Any,
 ) -> PreparedLoader:
     """A `PreparedLoader` over one split of a prepared dataset (any format).
 
     Args:
         path, split: the dataset and split.
-        batch_size: samples per batch on this rank.
         config: what the batches are (`LoaderConfig`: batch size, transform, image size,
             crop scale, shuffle, seed, drop_last; default ``LoaderConfig()``), resolved for
             `split` once (``transform="auto"`` is ``"train"`` for the train split, else
             ``"eval"``; ``shuffle`` and ``drop_last`` True for train, else False).
-        workers: how they are made: ``"auto"`` uses the settings ``dlpipe bench-loader``
-            saved for this dataset, machine, split and config (the `loader_key`), if any
-            (logged at INFO on the ``dlpipe`` logger), else the defaults (all usable cores
-            but one, prefetch 2, pinned memory with CUDA); a `WorkerSettings` is used as is;
-            None gives the defaults. A malformed profiles file is a WARNING on the ``dlpipe``
-            logger and the defaults.
-        batch_size, transform, image_size, min_crop_scale, shuffle, seed, drop_last: each one
-            given overrides that field of `config`.
-        num_workers, prefetch_factor, pin_memory, engine: each one given overrides that field
-            of the worker settings (the profile's too); ``engine="threads"`` transforms on
-            ``num_workers`` threads in this process instead of worker processes.
-        decode: ``"auto"`` (default): the worker settings' (``"cpu"`` unless a profile
-            measured the GPU faster); ``"cpu"``; or ``"cuda"``: the workers read bytes and
-            plan the crop, each batch is decoded and cropped on the GPU and yielded there
+        workers: how they are made (`WorkerSettings`: worker count, prefetch, pinned memory,
+            engine, where JPEGs decode, start method). ``"auto"`` uses the settings
+            ``dlpipe bench-loader`` saved for this dataset, machine, split and config (the
+            `loader_key`), if any (logged at INFO on the ``dlpipe`` logger), else the
+            defaults (all usable cores but one, prefetch 2, pinned memory with CUDA); a
+            malformed profiles file is a WARNING on the ``dlpipe`` logger and the defaults.
+            A `WorkerSettings` is used as is; None gives the defaults; a count is ``"auto"``
+            with that ``num_workers``; a dict of `WorkerSettings` fields is ``"auto"`` with
+            those fields set (``{"engine": "threads"}``: the thread engine, the profile's
+            or the default count). ``engine="threads"`` transforms on ``num_workers``
+            threads in this process instead of worker processes; ``decode="cuda"`` decodes
+            and crops each batch on the GPU and yields it there
             (`dlpipe.loading.device_decode`).
-        rank, world_size: this process's part (default: torch.distributed or RANK/WORLD_SIZE).
         profile: with ``workers="auto"``, a `LoaderProfile` to use instead of the saved one,
             or None for the defaults.
-        multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"`` for the workers
-            (default: the platform's); readers reopen in each worker either way.
+        rank, world_size: this process's part (default: torch.distributed or RANK/WORLD_SIZE).
+        **legacy: the keywords before this signature (``batch_size=``, ``image_size=``,
+            ``num_workers=``, ``decode="auto"``, ..., and a batch size as the third
+            argument), for one release: each sets its field of `config` or of ``workers``
+            (over ``"auto"`` or None as before), with one FutureWarning per process that
+            names the new spelling.
 
     Raises:
         LoaderConfigError: a config or worker field breaks its rule (named).
+        LoaderArgumentError: a keyword make_loader does not take, or one field given both in
+            `config`/`workers` and as an old keyword (a TypeError too).
         DecodeDeviceError: ``decode="cuda"`` without a CUDA device.
         ManifestError, ManifestNotFoundError, DatasetChangedError: the dataset cannot be read.
     """
-    fields = {"image_size": image_size, "min_crop_scale": min_crop_scale, "seed": seed}
-    fields |= {"batch_size": batch_size, "shuffle": shuffle, "drop_last": drop_last}
-    config = _loader_config(config, split, transform, **fields)
-    settings, origin = _worker_settings(
-        workers,
-        profile,
-        (path, split, config),
-        num_workers=num_workers,
-        prefetch_factor=prefetch_factor,
-        pin_memory=pin_memory,
-        engine=engine,
-        decode=None if decode == "auto" else decode,
-    )
+    given, (base, changes), notice = loader_arguments(config, workers, legacy)
+    if notice is not None:
+        _deprecated(notice)
+    config = (given or LoaderConfig()).resolved(split)
+    where = (path, split, config)
+    settings, origin = _worker_settings(base, profile, where, **changes)
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
     fn, stages = make_stages(settings, config, make_transform(config, dataset))
     shuffle, seed, batch_size = bool(config.shuffle), config.seed, config.batch_size
@@ -410,7 +381,6 @@ def make_loader(
         **settings.dataloader_options(),
     }
     if settings.num_workers > 0:
-        options["multiprocessing_context"] = multiprocessing_context
         options["worker_init_fn"] = _ignore_stop_signals
     placement: dict[str, Any] = {"rank": dataset.rank, "world_size": dataset.world_size}
     placement |= {"shuffle": shuffle, "seed": seed}
@@ -428,6 +398,17 @@ def make_loader(
         **placement,
     )
     return PreparedLoader(view, stages, settings, origin, **options)
+
+
+_warned = False  # the old keywords' FutureWarning was shown in this process
+
+
+def _deprecated(notice: str) -> None:
+    """Warn about make_loader's old keywords once per process, at the caller's line."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(notice, FutureWarning, stacklevel=3)
 
 
 def _on_one_torch_thread(batches: Iterator[Any]) -> Iterator[Any]:

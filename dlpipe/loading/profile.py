@@ -1,9 +1,26 @@
 """Loader profiles: measured DataLoader worker settings, saved and found again.
 
-``dlpipe bench-loader`` measures `WorkerSettings` for one dataset on one machine and saves the
-fastest as a `LoaderProfile`; ``make_loader(workers="auto")`` finds it again. A profile only
-counts for the exact machine (`machine_key`) and `LoaderConfig` (`loader_key`, the one place a
-config becomes a key) it was measured on.
+``dlpipe bench-loader`` (or ``dlpipe train``'s own short tune) measures `WorkerSettings` for one
+dataset on one machine and saves the fastest as a `LoaderProfile`, keyed by the machine
+(`machine_key`) and the `LoaderConfig` (`loader_key`, the one place a config becomes a key) it
+was measured on. ``make_loader(workers="auto")`` and ``dlpipe train`` use the profile of the
+*nearest* key (`nearest_profile`): the settings that matter, the worker count and the engine,
+barely depend on the batch or image size, so a profile measured at batch 64, 224 px serves a
+run at batch 256, 160 px far better than the defaults do. The rule:
+
+1. the machine key must be equal (CPU count, GPU model, torch version): never another
+   machine's profile;
+2. a profile that contradicts this machine (`contradiction`) is passed over, with a warning;
+3. a loader with an image transform (``"train"``/``"eval"``) may use a profile of either
+   image transform; one with raw samples or a custom transform only one of its own;
+4. of those, the nearest wins, comparing in order: the same transform, the same decode
+   device (when the caller asks for one), the same split, then the smallest
+   ``|log2(batch ratio)| + |log2(image size ratio)| + |log2(crop scale ratio)|``;
+   a tie goes to the profile saved last (beside the dataset before the user cache).
+
+`ProfileChoice.reason` says which profile and why, as the trainer's loader line prints it:
+``profile measured at batch 64, 224 px on this machine; nearest to batch 256, 160 px``.
+`find_profile` still finds an exact match only.
 
 Profiles live beside the dataset in ``dlpipe-profiles.json``, or, when the dataset folder is not
 writable (or is a URL), in ``$XDG_CACHE_HOME/dlpipe/profiles/<16 hex>.json``, named by the
@@ -42,6 +59,8 @@ from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.errors import DlpipeError
 from dlpipe.loading.config import (
+    MAX_BATCH_SIZE,
+    MAX_IMAGE_SIZE,
     MAX_PREFETCH_FACTOR,
     LoaderConfig,
     LoaderConfigError,
@@ -53,6 +72,7 @@ from dlpipe.manifest import PROFILES_NAME
 __all__ = [
     "PROFILES_NAME",
     "LoaderProfile",
+    "ProfileChoice",
     "ProfileError",
     "ProfileSaveError",
     "cache_file",
@@ -61,6 +81,7 @@ __all__ = [
     "gpu_name",
     "loader_key",
     "machine_key",
+    "nearest_profile",
     "save_profile",
     "select_profile",
 ]
@@ -242,30 +263,93 @@ def find_profile(
     config: LoaderConfig,
     strict: bool = True,
 ) -> tuple[LoaderProfile, str] | None:
-    """The saved profile for this machine, split and loader config, and the file it came from.
+    """The saved profile for exactly this machine, split and loader config, and its file.
 
     Looks beside the dataset, then in the user cache; only an exact `machine_key` and
-    `loader_key` match counts. With ``strict=False`` a malformed file is one warning on the
-    ``dlpipe`` logger (naming it and the fix) and is passed over.
+    `loader_key` match counts (`nearest_profile` is what loaders use). With ``strict=False``
+    a malformed file is one warning on the ``dlpipe`` logger (naming it and the fix) and is
+    passed over.
 
     Raises:
         ProfileError: (``strict``) a profiles file there is malformed or of an unknown
             schema version.
     """
-    path = os.fspath(dataset_path)
     machine, loader = machine_key(), loader_key(split, config)
-    for source in (storage.join(path, PROFILES_NAME), cache_file(path)):
-        try:
-            found = _read(source)
-        except ProfileError as exc:
-            if strict:
-                raise
-            log.warning("%s; using the default worker settings", exc)
-            continue
-        for profile in found:
-            if profile.matches(machine, loader):
-                return profile, source
+    for profile, source in _saved(os.fspath(dataset_path), strict=strict):
+        if profile.matches(machine, loader):
+            return profile, source
     return None
+
+
+@dataclass(frozen=True)
+class ProfileChoice:
+    """A saved profile chosen for a loader (`nearest_profile`).
+
+    Attributes:
+        profile: the profile chosen.
+        source: the file it came from.
+        wanted: the `loader_key` of the loader it was chosen for.
+    """
+
+    profile: LoaderProfile
+    source: str
+    wanted: dict[str, Any]
+
+    @property
+    def exact(self) -> bool:
+        """Whether the profile was measured for this very loader config."""
+        return self.profile.loader == self.wanted
+
+    def reason(self) -> str:
+        """Which profile and why: ``profile measured at batch 64, 224 px on this machine;
+        nearest to batch 256, 160 px`` (``...; the same loader`` for an exact match)."""
+        measured = _describe(self.profile.loader, self.wanted)
+        if self.exact:
+            return f"profile measured at {measured} on this machine; the same loader"
+        wanted = _describe(self.wanted, self.profile.loader)
+        return f"profile measured at {measured} on this machine; nearest to {wanted}"
+
+
+def nearest_profile(
+    dataset_path: str | os.PathLike[str],
+    *,
+    split: str,
+    config: LoaderConfig,
+    decode: str | None = None,
+) -> ProfileChoice | None:
+    """The saved profile of this machine nearest to this loader (the module docstring's
+    rule), or None when none may serve it. `decode` (``"cpu"``/``"cuda"``) prefers profiles
+    measured decoding there. A malformed profiles file is a warning naming it and the fix,
+    and is passed over, as is a profile that contradicts this machine.
+    """
+    path = os.fspath(dataset_path)
+    machine, wanted = machine_key(), loader_key(split, config)
+    saved = _saved(path, strict=False)
+    candidates = [
+        (profile, source, index)
+        for index, (profile, source) in enumerate(saved)
+        if profile.machine == machine and _may_serve(profile.loader, wanted)
+    ]
+    sources = [source for _, source in saved]
+    candidates.sort(key=lambda c: (*_distance(c[0], wanted, decode), sources.index(c[1]), -c[2]))
+    passed_over: list[tuple[str, str]] = []
+    chosen = None
+    for profile, source, _ in candidates:
+        problem = contradiction(profile)
+        if problem is None:
+            chosen = ProfileChoice(profile=profile, source=source, wanted=wanted)
+            break
+        passed_over.append((source, problem))
+    then = "passed over" if chosen else "passed over and the default worker settings are used"
+    for source, problem in passed_over:
+        log.warning(
+            "the loader profile in %s %s; a profile is advice, so it is %s (%s)",
+            source,
+            problem,
+            then,
+            _FIX,
+        )
+    return chosen
 
 
 def select_profile(
@@ -274,41 +358,90 @@ def select_profile(
     *,
     split: str,
     config: LoaderConfig,
+    decode: str | None = None,
 ) -> LoaderProfile | None:
-    """`make_loader`'s ``profile=``: ``"auto"`` finds a saved one (and logs it), else as given.
+    """`make_loader`'s ``profile=``: ``"auto"`` finds the nearest saved one
+    (`nearest_profile`, logged at INFO with which and why), else as given.
 
     A malformed profiles file does not stop ``"auto"``: a profile only makes loading faster,
-    so it is one warning naming the file and the fix, and the defaults are used.
+    so it is one warning naming the file and the fix, and it is passed over.
     """
     if profile is None or isinstance(profile, LoaderProfile):
         return profile
     if profile != "auto":
         raise ProfileError(f"profile={profile!r}: pass 'auto', a LoaderProfile or None")
-    found = find_profile(dataset_path, split=split, config=config, strict=False)
-    if found is None:
+    choice = nearest_profile(dataset_path, split=split, config=config, decode=decode)
+    if choice is None:
         log.debug(
             "no loader profile for %s on this machine; using default worker settings",
             os.fspath(dataset_path),
         )
         return None
-    chosen, source = found
-    problem = contradiction(chosen)
-    if problem is not None:
-        log.warning(
-            "the loader profile in %s %s; a profile is advice, so it is passed over and the "
-            "default worker settings are used (%s)",
-            source,
-            problem,
-            _FIX,
-        )
-        return None
     log.info(
-        "using loader profile from %s: %s (measured %.0f samples/s)",
-        source,
-        chosen.settings.line(),
-        chosen.samples_per_s,
+        "using loader profile from %s: %s (measured %.0f samples/s); %s",
+        choice.source,
+        choice.profile.settings.line(),
+        choice.profile.samples_per_s,
+        choice.reason(),
     )
-    return chosen
+    return choice.profile
+
+
+def _saved(path: str, *, strict: bool) -> list[tuple[LoaderProfile, str]]:
+    """Every profile saved for the dataset at `path`, beside it first, then in the user
+    cache, each with its file (in the order saved)."""
+    found = []
+    for source in (storage.join(path, PROFILES_NAME), cache_file(path)):
+        try:
+            profiles = _read(source)
+        except ProfileError as exc:
+            if strict:
+                raise
+            log.warning("%s; it is passed over", exc)
+            continue
+        found += [(profile, source) for profile in profiles]
+    return found
+
+
+_IMAGE_TRANSFORMS = ("train", "eval")
+
+
+def _may_serve(measured: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether a profile measured for loader key `measured` may serve `wanted`: either image
+    transform serves an image transform; raw samples or a custom transform only its own."""
+    image = measured["transform"] in _IMAGE_TRANSFORMS and wanted["transform"] in _IMAGE_TRANSFORMS
+    return image or measured["transform"] == wanted["transform"]
+
+
+def _distance(
+    profile: LoaderProfile, wanted: dict[str, Any], decode: str | None
+) -> tuple[bool, bool, bool, float]:
+    """How far `profile` is from the loader `wanted`, to sort by (smaller is nearer)."""
+    key = profile.loader
+
+    def far(name: str) -> float:
+        a, b = key[name], wanted[name]
+        return 0.0 if a is None or b is None else abs(math.log2(a / b))
+
+    return (
+        key["transform"] != wanted["transform"],
+        decode is not None and profile.settings.decode != decode,
+        key["split"] != wanted["split"],
+        far("batch_size") + far("image_size") + far("min_crop_scale"),
+    )
+
+
+def _describe(key: dict[str, Any], other: dict[str, Any]) -> str:
+    """``batch 64, 224 px``, and the transform, crop scale and split where they differ from
+    `other`'s."""
+    parts = [f"batch {key['batch_size']}", f"{key['image_size']} px"]
+    if key["transform"] != other["transform"]:
+        parts.append(f"{key['transform']} transform")
+    if key["min_crop_scale"] != other["min_crop_scale"] and key["min_crop_scale"] is not None:
+        parts.append(f"crop scale {key['min_crop_scale']:g}")
+    if key["split"] != other["split"]:
+        parts.append(f"split {key['split']!r}")
+    return ", ".join(parts)
 
 
 def contradiction(profile: LoaderProfile) -> str | None:
@@ -423,7 +556,20 @@ def _loader_keyed(value: Any) -> dict[str, Any]:
     if isinstance(value, dict) and set(value) == _LOADER_KEYS - {"min_crop_scale"}:
         scale = _LEGACY_CROP_SCALE if value.get("transform") == "train" else None
         value = {**value, "min_crop_scale": scale}
-    return _keyed(value, "loader", _LOADER_KEYS)
+    key = _keyed(value, "loader", _LOADER_KEYS)
+    for name in ("split", "transform"):
+        _text(key[name], f"loader {name}")
+    for name, most in (("batch_size", MAX_BATCH_SIZE), ("image_size", MAX_IMAGE_SIZE)):
+        number = key[name]  # what a LoaderConfig may hold: the nearest rule divides them
+        if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= most:
+            shown = f"{number!r}" if len(repr(number)) < 40 else f"{repr(number)[:37]}..."
+            raise ProfileError(f"loader {name} {shown} is not an integer in 1..{most}")
+    scale = key["min_crop_scale"]
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1
+    ):
+        raise ProfileError(f"loader min_crop_scale {scale!r} is not null or a number in (0, 1]")
+    return key
 
 
 def _keyed(value: Any, what: str, keys: set[str]) -> dict[str, Any]:

@@ -28,18 +28,28 @@ saves is keyed by exactly that config and found again by the loader that uses it
    skipped and says so (threads share the loading process's memory and are never skipped).
 
 What the report says about the figures is `dlpipe.loading.verdicts`.
+
+``dlpipe train`` with no saved profile that may serve its loader (`nearest_profile`) runs the
+same search, short (`tune_now`: no stage table, a budget of `QUICK_TUNE_S` seconds: each
+engine's rung at the core count, then its neighbours while the time lasts, plus pinned memory
+and GPU decode on a GPU), on its own first batches, and saves the winner for the next run
+(`training_profile`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing
 import os
+import random
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from dlpipe._version import __version__
@@ -47,7 +57,14 @@ from dlpipe.errors import SplitTooSmallError
 from dlpipe.jpeg_seek import restart_layout
 from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
 from dlpipe.loading.dataset import open_dataset
-from dlpipe.loading.profile import LoaderProfile, loader_key, machine_key, save_profile
+from dlpipe.loading.profile import (
+    LoaderProfile,
+    ProfileSaveError,
+    loader_key,
+    machine_key,
+    nearest_profile,
+    save_profile,
+)
 from dlpipe.loading.threads import one_torch_thread
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
 from dlpipe.loading.verdicts import decode_verdict, verdict
@@ -64,13 +81,17 @@ from dlpipe.manifest import read_manifest
 __all__ = [
     "BenchConfig",
     "BenchReport",
+    "QuickTune",
     "StageRates",
     "Trial",
     "bench_loader",
     "save_winner",
+    "training_profile",
+    "tune_now",
 ]
 
 _MEMORY_SHARE = 0.8
+log = logging.getLogger("dlpipe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -526,3 +547,137 @@ def save_winner(report: BenchReport) -> str:
         created_by=__version__,
     )
     return save_profile(cfg.path, profile)
+
+
+# --- the short tune of `dlpipe train`, when no saved profile fits -----------------------------
+
+QUICK_TUNE_S = 4.0  # the search's budget: a trial an engine at least, each ~0.5 s measuring
+
+
+@dataclass(frozen=True)
+class QuickTune:
+    """What `tune_now` measured and where it saved it.
+
+    Attributes:
+        profile: the fastest settings measured, as a profile of this machine and loader.
+        trials: the settings measured.
+        seconds: how long the tune took, workers' start-up included.
+        saved: the profiles file written, or None when none could be (a warning says why).
+    """
+
+    profile: LoaderProfile
+    trials: int
+    seconds: float
+    saved: str | None
+
+
+@contextlib.contextmanager
+def _random_streams_kept() -> Iterator[None]:
+    """Leave the caller's random streams (Python's, NumPy's, torch's CPU generator) as they
+    were: each trial's DataLoader draws its workers' base seed from torch's, and a trainer's
+    model initialisation must not depend on whether (or for how many trials) it tuned."""
+    python, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+
+
+def tune_now(
+    path: str,
+    split: str,
+    loader: LoaderConfig,
+    *,
+    budget_s: float | None = None,
+    device: str = "cpu",
+    max_workers: int | None = None,
+) -> QuickTune:
+    """``bench-loader``'s search (`search`), short: no stage table, a budget of a few seconds
+    (default `QUICK_TUNE_S`: each engine's climb measures the rung at the core count, the
+    likeliest winner, and its neighbours while its share lasts; pinned memory and GPU decode
+    on a GPU; no prefetch rung once the time is spent), up to `max_workers` (default: the
+    usable cores) workers, on the split's first batches.
+    Saves the winner as
+    the profile of this machine and `loader`, so the next run finds it; a profile that cannot
+    be saved is a warning, and the settings still serve this run. The caller's random streams
+    are left as they were.
+
+    Raises:
+        SplitTooSmallError: a pass over the split gives no batch.
+        LoaderConfigError: `loader`'s transform is not an image transform.
+    """
+    cores = usable_cpus()
+    bench = BenchConfig(
+        path=path,
+        split=split,
+        loader=loader,
+        budget_s=QUICK_TUNE_S if budget_s is None else budget_s,
+        max_workers=cores if max_workers is None else max_workers,
+        device=device,
+    )
+    start = time.perf_counter()
+    with _random_streams_kept():
+        trials = [t for t in search(bench) if not t.skipped]
+    best = max(trials, key=lambda t: t.samples_per_s)
+    profile = LoaderProfile(
+        settings=best.settings(),
+        samples_per_s=best.samples_per_s,
+        machine=machine_key(),
+        loader=loader_key(split, bench.loader),
+        created_by=__version__,
+    )
+    try:
+        saved: str | None = save_profile(path, profile)
+    except ProfileSaveError as exc:
+        log.warning("%s; the tuned settings serve this run only", exc)
+        saved = None
+    return QuickTune(profile, len(trials), time.perf_counter() - start, saved)
+
+
+def training_profile(
+    path: str,
+    split: str,
+    loader: LoaderConfig,
+    *,
+    tune: bool = True,
+    why_not: str = "--tune off",
+    device: str = "cpu",
+    decode: str | None = None,
+    max_workers: int | None = None,
+    announce: Callable[[str], None] | None = None,
+) -> tuple[LoaderProfile | None, str]:
+    """The profile a training loader runs on, and where it came from, in the words of
+    ``dlpipe train``'s loader line: the nearest saved profile of this machine
+    (`nearest_profile`; ``profile measured at batch 64, 224 px on this machine; nearest to
+    batch 256, 160 px``); else, with `tune`, a short tune now (`tune_now`, saved for the
+    next run; `announce` is told first, as it takes a few seconds); else None, the
+    defaults (``defaults: `` and `why_not`).
+
+    Args:
+        path, split, loader: the dataset, the split and the training loader's config.
+        tune: tune when no saved profile fits; `why_not` says why not otherwise.
+        device, max_workers: as `tune_now`'s.
+        decode: ``"cpu"``/``"cuda"`` when the run asks for one: profiles measured decoding
+            there are preferred.
+    """
+    choice = nearest_profile(path, split=split, config=loader, decode=decode)
+    if choice is not None:
+        return choice.profile, choice.reason()
+    if not tune:
+        return None, f"defaults: {why_not}"
+    if announce is not None:
+        announce(
+            f"no saved loader profile for this dataset on this machine: tuning the loader on "
+            f"the first batches (about {QUICK_TUNE_S:.0f} s; --tune off skips this)"
+        )
+    try:
+        tuned = tune_now(path, split, loader, device=device, max_workers=max_workers)
+    except SplitTooSmallError:
+        return None, "defaults: the split is too small to tune on"
+    where = f"saved to {tuned.saved}" if tuned.saved else "not saved (see the warning)"
+    return tuned.profile, (
+        f"tuned now on this run's first batches: {tuned.trials} trials in "
+        f"{tuned.seconds:.1f} s, {where}"
+    )
