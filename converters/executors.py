@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -24,12 +25,22 @@ from dlpipe.converters.worker import OutputFullError, TaskResult, WorkerConfig, 
 from dlpipe.errors import DlpipeError
 from dlpipe.processes import die_with_parent, stop_signals_blocked, watch_parent
 
-__all__ = ["EngineError", "WorkerDiedError", "run_local", "run_ray", "worker_init"]
+__all__ = [
+    "TEST_HOLD_ENV",
+    "EngineError",
+    "WorkerDiedError",
+    "run_local",
+    "run_ray",
+    "worker_init",
+]
 
 log = logging.getLogger("dlpipe")
 
 _FULL_BYTES = 1 << 20  # less free than this after a worker died: the disk filled up
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+TEST_HOLD_ENV = "DLPIPE_TEST_HOLD"
+"""A test hook: the folder in which a process announces that it holds (see `_held_job`)."""
+_tasks_started = 0  # by this process, while TEST_HOLD_ENV is set
 
 
 class EngineError(DlpipeError, RuntimeError):
@@ -55,7 +66,7 @@ def run_local(
     is 1)."""
     if workers <= 1 or len(tasks) <= 1:
         for task in tasks:
-            yield job(source, task, config)
+            yield _held_job(job, source, task, config)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a process with threads
     pool = ProcessPoolExecutor(
@@ -67,7 +78,7 @@ def run_local(
     # the submits spawn the workers, which start with these blocked (see worker_init)
     with stop_signals_blocked(_STOP_SIGNALS, start_method="spawn"):
         pending: set[Future[TaskResult]] = {
-            pool.submit(job, source, task, config) for task in tasks
+            pool.submit(_held_job, job, source, task, config) for task in tasks
         }
     with pool, _ctrl_c_deferred() as interrupted:
         try:
@@ -84,6 +95,27 @@ def run_local(
             # the pool's own thread cancels what has not started: a future cancelled from
             # here races a worker crash in Python 3.11 (InvalidStateError, gh-107219)
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _held_job(job: Job, source: Source, task: ShardTask, config: WorkerConfig) -> TaskResult:
+    """`job`, after a test's hold point: nothing happens unless ``DLPIPE_TEST_HOLD`` is set.
+
+    With ``DLPIPE_TEST_HOLD=<folder>``, the process that runs the tasks (the main one with one
+    worker, else each worker process) creates ``<folder>/<its pid>`` before it starts its
+    second task, and waits until ``<folder>/release`` exists. So a test interrupts or kills a
+    conversion mid-run on a machine of any speed, then releases every hold, present and
+    later (tests/convert_hold.py).
+    """
+    global _tasks_started
+    folder = os.environ.get(TEST_HOLD_ENV)
+    if folder:
+        _tasks_started += 1
+        if _tasks_started == 2:
+            with open(os.path.join(folder, str(os.getpid())), "w"):
+                pass
+            while not os.path.exists(os.path.join(folder, "release")):
+                time.sleep(0.01)
+    return job(source, task, config)
 
 
 def _kill_workers(pool: ProcessPoolExecutor) -> None:

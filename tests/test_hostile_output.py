@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from convert_hold import HANG_S, ConvertHold
 
 import dlpipe
 from dlpipe import storage
@@ -229,12 +230,15 @@ def _holder_pid(out: Path) -> str:
         return ""
 
 
-def _start(raw: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
+def _start(
+    raw: Path, out: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*PYTHON_DLPIPE, "convert", str(raw), "--to", "wds", "--out", str(out), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
 
 
@@ -253,24 +257,23 @@ def test_two_converts_started_together_never_both_succeed(tmp_path) -> None:
 
 @pytest.mark.parametrize("second", [[], ["--overwrite"], ["--resume"]], ids=str)
 def test_a_second_convert_while_one_runs_fails_at_once_naming_the_holder(tmp_path, second) -> None:
+    """The first convert is held mid-run (lock taken) until the second has ended: a second
+    that waited for the lock would never end (the timeout is only a bound on that hang)."""
     raw, out = make_raw(tmp_path / "raw", per_class=8), tmp_path / "out"
-    first = _start(raw, out, "--workers", "1", "--shard-size", "1")
+    hold = ConvertHold(tmp_path / "hold")
+    first = _start(raw, out, "--workers", "1", "--shard-size", "1", env=hold.env)
     try:
-        deadline = time.monotonic() + 60
-        while _holder_pid(out) != str(first.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.kill(first.pid, signal.SIGSTOP)  # hold it mid-conversion, lock taken
-        assert _holder_pid(out) == str(first.pid), "the first convert finished too soon"
-        started = time.monotonic()
+        assert hold.wait(first) == [first.pid]
+        assert _holder_pid(out) == str(first.pid)
         done = subprocess.run(
             [*PYTHON_DLPIPE, "convert", str(raw), "--to", "wds", "--out", str(out), *second],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=HANG_S,
         )
-        assert time.monotonic() - started < 30  # failed at once, did not wait
+        assert hold.held() == [first.pid] and _holder_pid(out) == str(first.pid)
     finally:
-        os.kill(first.pid, signal.SIGCONT)
+        hold.release()
     assert done.returncode == 2
     line = one_error(done.stderr)
     assert f"{out} is being written by another dlpipe process (pid {first.pid})" in line
@@ -370,28 +373,25 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkill_of_the_main_process_takes_its_workers_down(tmp_path) -> None:
-    raw, out = make_raw(tmp_path / "raw", per_class=25), tmp_path / "out"  # 200 JPEGs
+    raw, out = make_raw(tmp_path / "raw", per_class=4), tmp_path / "out"  # 32 JPEGs
+    hold = ConvertHold(tmp_path / "hold")
     proc = subprocess.Popen(
         [*PYTHON_DLPIPE, "convert", str(raw), "--to", "wds", "--out", str(out), *WORKERS_2],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=hold.env,
         start_new_session=True,
     )
     children: set[int] = set()
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            children |= _children(proc.pid)
-            if len(children) >= 2 and len(list(out.glob(".dlpipe-journal/train-*.json"))) >= 2:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the conversion ended before it could be killed"
-        assert len(children) >= 2, children
+        workers = hold.wait(proc)  # a worker holds before its second shard: the run is on
+        children = _children(proc.pid)
+        assert set(workers) <= children and len(children) >= 2, (workers, children)
         os.kill(proc.pid, signal.SIGKILL)  # as the OOM killer does: the main process only
         proc.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S  # only a bound on a hang: the kernel kills them
         while time.monotonic() < deadline and any(_alive(c) for c in children):
-            time.sleep(0.1)
+            time.sleep(0.05)
         assert not [c for c in children if _alive(c)], "workers outlived their parent"
     finally:
         for pid in [proc.pid, *children]:
@@ -402,23 +402,25 @@ def test_sigkill_of_the_main_process_takes_its_workers_down(tmp_path) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_worker_killed_mid_run_is_one_error_and_resume_finishes(tmp_path) -> None:
-    raw, out = make_raw(tmp_path / "raw", per_class=25), tmp_path / "out"
+    raw, out = make_raw(tmp_path / "raw", per_class=4), tmp_path / "out"
+    hold = ConvertHold(tmp_path / "hold")
     proc = subprocess.Popen(
         [*PYTHON_DLPIPE, "convert", str(raw), "--to", "wds", "--out", str(out), *WORKERS_2],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        env=hold.env,
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and proc.poll() is None:
-            workers = [c for c in _children(proc.pid) if "resource_tracker" not in _cmdline(c)]
-            if workers and len(list(out.glob(".dlpipe-journal/train-*.json"))) >= 2:
-                os.kill(workers[0], signal.SIGKILL)  # the OOM killer picks a worker
-                break
-            time.sleep(0.02)
-        _, err = proc.communicate(timeout=60)
+        victim = hold.wait(proc)[0]  # it sent its first shard and holds the next one
+        journal = out / ".dlpipe-journal"
+        deadline = time.monotonic() + HANG_S
+        while not list(journal.glob("train-*.json")):  # the main process records it
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        os.kill(victim, signal.SIGKILL)  # the OOM killer picks a worker with a shard in hand
+        _, err = proc.communicate(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -427,17 +429,11 @@ def test_a_worker_killed_mid_run_is_one_error_and_resume_finishes(tmp_path) -> N
     assert "worker process died" in line and "finish the conversion with `" in line
     command = shlex.split(line.split("finish the conversion with `")[1].split("`")[0])
     done = subprocess.run(
-        [*PYTHON_DLPIPE, *command[1:]], capture_output=True, text=True, timeout=120
+        [*PYTHON_DLPIPE, *command[1:]], capture_output=True, text=True, timeout=HANG_S
     )
     assert done.returncode == 0, done.stderr
-    assert dlpipe.read_manifest(str(out)).splits["train"].samples == 200
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
+    assert "resumed" in done.stdout, done.stdout
+    assert dlpipe.read_manifest(str(out)).splits["train"].samples == 32
 
 
 # --- 5. keys.jsonl ---------------------------------------------------------------------------

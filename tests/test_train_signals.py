@@ -268,16 +268,16 @@ def test_a_stop_signal_during_start_up_of_2_ranks_is_one_line(
 
 @pytest.mark.slow
 def test_a_hung_rank_ends_the_run_after_dist_timeout_naming_it(colours, tmp_path) -> None:
+    """Rank 1 sleeps for an hour in its 3rd forward pass: the run ends at all (the finish's
+    timeout is only a bound on a hang, far below that hour) because rank 1 was stopped, not
+    waited for."""
     run = tmp_path / "run"
-    hang_s = 300  # rank 1 sleeps in its 3rd forward pass; the run must not wait for it
-    start = time.monotonic()
     started = Run(
         colours, run, "--nproc-per-node", "2", "--model", "hostile_models:hangs_on_rank_1",
         "--dist-timeout", "3", "--checkpoint-every", "2", "--epochs", "3",
-        env={"DLPIPE_TEST_HANG_S": str(hang_s)},
+        env={"DLPIPE_TEST_HANG_S": "3600"},
     )  # fmt: skip
-    code, _out, err = started.finish(timeout_s=hang_s - 30)
-    assert time.monotonic() - start < hang_s - 30  # rank 1 was stopped, not waited for
+    code, _out, err = started.finish(timeout_s=600)
     line = one_error_line(code, 1, err)
     assert line.startswith("error: rank 0: agreeing on the step's loss") and "3 s" in line
     assert "rank 1 never reached it (the last collective it entered: " in line
