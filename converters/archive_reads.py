@@ -8,14 +8,13 @@ member by one seek and read at its offset, a ``.tar.gz`` member through its save
 from __future__ import annotations
 
 import atexit
-import os
 import tempfile
 import zipfile
 from collections.abc import Callable
 from typing import IO, Any
 
 from dlpipe.converters.archives import GZ_SPACING, Member
-from dlpipe.converters.source import SampleError, display_path
+from dlpipe.converters.source import SampleError, display_path, file_stamp
 
 __all__ = ["member_file", "read_member"]
 
@@ -44,8 +43,7 @@ class _Open:
         path: str, kind: str, stamp: tuple[int, int], gz_index: str | None
     ) -> tuple[Any, IO[bytes] | None]:
         f = open(path, "rb")  # noqa: SIM115 (kept open for the process's later reads)
-        info = os.fstat(f.fileno())
-        if (info.st_size, info.st_mtime_ns) != stamp:
+        if file_stamp(f) != stamp:
             f.close()
             raise SampleError(
                 f"{display_path(path)}: changed since the scan (its size or time differs); "

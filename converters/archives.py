@@ -12,7 +12,7 @@ once, and any member read in place, without unpacking the archive.
   with ``indexed_gzip``, which keeps a seek point (32 KiB of inflate window) every
   `GZ_SPACING` bytes of the tar, so a member costs at most that much decompression. The
   index is saved beside the listing, and each worker process imports it. A stream that
-  inflates to more than `_MAX_GZ_RATIO` times its size (a gzip bomb) is refused.
+  inflates to more than `_MAX_RATIO` times its size (a gzip bomb) is refused.
 
 Tar headers are parsed with the WebDataset reader's refusals (`dlpipe.formats.wds`): a pax
 header of any claimed size is never read into memory. Member names are untrusted: an
@@ -49,8 +49,7 @@ __all__ = [
 ]
 
 GZ_SPACING = 1 << 20  # a member read decompresses at most this much more than its size
-_MAX_GZ_RATIO = 1032  # deflate's best ratio: more out of a gzip stream is a bomb
-_MAX_ZIP_RATIO = 1032
+_MAX_RATIO = 1032  # deflate's best ratio: more out of a zip or gzip stream is a bomb
 _PEEK = 64  # tar members looked at to tell a WebDataset shard from a packed folder
 _UNREADABLE = {  # suffix -> the command that makes it readable
     **dict.fromkeys((".tar.bz2", ".tbz2", ".tbz"), "bunzip2 -k"),
@@ -179,11 +178,16 @@ def index_archive(path: str, gz_index: str | None = None) -> Archive:
     return archive
 
 
+def _most_bytes(archive: Archive) -> int:
+    """The most bytes the archive's compressed data can inflate to (a MiB of slack)."""
+    return _MAX_RATIO * max(archive.stamp[0], 1) + (1 << 20)
+
+
 def _index_zip(archive: Archive) -> None:
     with zipfile.ZipFile(archive.path) as zf:
         infos = zf.infolist()
     declared = sum(i.file_size for i in infos)
-    if declared > _MAX_ZIP_RATIO * max(archive.stamp[0], 1) + (1 << 20):
+    if declared > _most_bytes(archive):
         raise SourceError(
             f"{display_path(archive.path)}: its members claim {declared} bytes from a "
             f"{archive.stamp[0]}-byte file, more than compression can give (a zip bomb); "
@@ -229,7 +233,7 @@ def _index_tar(archive: Archive, gz_index: str | None) -> None:
 
 def _walk(tar: tarfile.TarFile, archive: Archive) -> Iterator[tarfile.TarInfo]:
     """The members, without keeping them all in memory, checking a gzip stream's ratio."""
-    limit = _MAX_GZ_RATIO * max(archive.stamp[0], 1) + (1 << 20)
+    limit = _most_bytes(archive)
     while (member := tar.next()) is not None:
         if archive.kind == "tgz" and member.offset_data + member.size > limit:
             raise SourceError(

@@ -332,12 +332,13 @@ def open_regular(path: str, folder: str | None = None) -> IO[bytes]:
     placeholder = target_of(path)
     if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)
         return placeholder.open()
+    return _open_raw(path, folder)
+
+
+def _open_raw(path: str, folder: str | None) -> IO[bytes]:
+    """A raw file that is no view placeholder: a URL's object, or a local regular file."""
     if storage.is_url(path):
         return _open_url(path)
-    return _open_local(path, folder)
-
-
-def _open_local(path: str, folder: str | None) -> IO[bytes]:
     target = path
     if folder is not None:
         target = os.path.realpath(path)
@@ -376,7 +377,7 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
     if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)
         _check_size(path, placeholder.size, max_bytes)
         return placeholder.read()
-    with _open_url(path) if storage.is_url(path) else _open_local(path, folder) as f:
+    with _open_raw(path, folder) as f:
         size = file_stamp(f)[0]
         _check_size(path, size, max_bytes)
         try:
