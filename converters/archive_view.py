@@ -219,6 +219,8 @@ class _Builder:
             if why is not None:
                 self.skipped.append((f"{shown}/{name}", why))
                 continue
+            if name in self.files:  # the same archive names it twice: the later member is read
+                self.skipped.append((f"{shown}/{name}", "replaced by a later member of one name"))
             self.files[name] = [number, member.where, member.size]
             parent = os.path.dirname(name)
             while parent and parent not in self.folders:
@@ -250,9 +252,6 @@ class _Builder:
             return "already unpacked beside the archive (the file on disk is read)"
         if earlier is not None and earlier[0] != number:
             return f"also in {display_path(self.archives[earlier[0]])} (that one is read)"
-        if earlier is not None:
-            shown = display_path(self.archives[number])
-            self.skipped.append((f"{shown}/{name}", "replaced by a later member of one name"))
         if name in self.folders or self._file_above(name):
             return "a file and a folder of one name in the archive"
         return None
