@@ -32,24 +32,35 @@ from dlpipe.train.signals import STOP_SIGNALS, Interrupted, StopSignals, startup
 
 # models for the runs below, loaded by every rank through --model signal_models:NAME
 SIGNAL_MODELS = """
-import os, time
+import os, signal, time
 from pathlib import Path
 import torch
 from trainer_models import TinyCNN
 
 
 def slow_save_cnn(num_classes):
-    # each checkpoint write announces itself in DLPIPE_TEST_MARKER, then takes a while, so a
-    # signal sent once the marker exists arrives while the checkpoint is written
-    original = torch.save
+    # each checkpoint write announces itself (its pid in DLPIPE_TEST_MARKER), then waits for
+    # DLPIPE_TEST_RELEASE to exist; each stop signal the trainer's handler took is logged as
+    # "pid name" to DLPIPE_TEST_HANDLED, so a test releases the write once its signal was
+    # handled during it, however slow the machine
+    from dlpipe.train.signals import StopSignals
+
+    original, handle = torch.save, StopSignals._handle
 
     def slow_save(obj, f, *args, **kwargs):
         if "DLPIPE_TEST_MARKER" in os.environ:  # not when the test resumes the run in-process
-            Path(os.environ["DLPIPE_TEST_MARKER"]).write_text("saving")
-            time.sleep(float(os.environ.get("DLPIPE_TEST_SAVE_S", "2")))
+            Path(os.environ["DLPIPE_TEST_MARKER"]).write_text(str(os.getpid()))
+            while not os.path.exists(os.environ["DLPIPE_TEST_RELEASE"]):
+                time.sleep(0.01)
         return original(obj, f, *args, **kwargs)
 
-    torch.save = slow_save
+    def logged_handle(self, signum, frame):
+        if "DLPIPE_TEST_HANDLED" in os.environ:
+            with open(os.environ["DLPIPE_TEST_HANDLED"], "a") as log:
+                log.write(f"{os.getpid()} {signal.Signals(signum).name}\\n")
+        return handle(self, signum, frame)
+
+    torch.save, StopSignals._handle = slow_save, logged_handle
     return TinyCNN(num_classes)
 
 
@@ -112,7 +123,7 @@ class Run:
     def wait_for(self, predicate, timeout_s: float = 240) -> None:
         deadline = time.monotonic() + timeout_s
         while not predicate():
-            assert self.child.poll() is None, ("ended early", self.lines[-5:], self.errors)
+            assert self.child.poll() is None, ("ended early", self.lines[-5:], "\n".join(self.errors))
             assert time.monotonic() < deadline, ("timed out", self.lines[-5:], self.errors)
             time.sleep(0.05)
 
@@ -163,18 +174,32 @@ def one_error_line(code: int, expected: int, err: list[str]) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["during the checkpoint write", "after the checkpoint"])
 def test_a_double_ctrl_c_keeps_the_checkpoint_and_exits_0(when, colours, tmp_path) -> None:
-    run, marker = tmp_path / "run", tmp_path / "saving"
+    run, marker, release = tmp_path / "run", tmp_path / "saving", tmp_path / "release"
+    handled = tmp_path / "handled"
+    if when == "after the checkpoint":
+        release.touch()  # checkpoint writes are not held
     started = Run(
         colours, run, "--epochs", "500", "--nproc-per-node", "2",
-        "--model", "signal_models:slow_save_cnn", env={"DLPIPE_TEST_MARKER": str(marker)},
+        "--model", "signal_models:slow_save_cnn",
+        env={"DLPIPE_TEST_MARKER": str(marker), "DLPIPE_TEST_RELEASE": str(release),
+             "DLPIPE_TEST_HANDLED": str(handled)},
     )  # fmt: skip
+
+    def handled_by_the_writer(count: int) -> bool:
+        writer = marker.read_text() if marker.exists() else None
+        lines = handled.read_text().splitlines() if handled.exists() else []
+        return writer is not None and lines.count(f"{writer} SIGINT") >= count
+
     started.wait_for(lambda: logged_steps(run) >= 2)
     started.child.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher
     if when == "during the checkpoint write":
-        started.wait_for(marker.exists)
+        started.wait_for(lambda: handled_by_the_writer(1))  # the write is held, its rank asked
     else:
         started.wait_for(lambda: started.saw("stopped on SIGINT"))
     started.child.send_signal(signal.SIGINT)
+    if when == "during the checkpoint write":
+        started.wait_for(lambda: handled_by_the_writer(2))  # the second came during the write
+        release.touch()
     assert_stopped_with_a_checkpoint(*started.finish(), run)
 
 
