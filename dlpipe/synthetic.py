@@ -19,9 +19,11 @@ from dlpipe.sample import Sample
 
 __all__ = [
     "SHAPE_CLASSES",
+    "draw_mask",
     "render_shape",
     "split_samples",
     "synthetic_samples",
+    "textured_background",
     "write_imagefolder",
 ]
 
@@ -29,7 +31,7 @@ SHAPE_CLASSES = ("bars", "circle", "crescent", "cross", "ring", "square", "star"
 _MIN_SIDE, _MAX_SIDE = 64, 128
 
 
-def _background(rng: np.random.Generator, width: int, height: int) -> Image.Image:
+def textured_background(rng: np.random.Generator, width: int, height: int) -> Image.Image:
     """Smooth colour blobs plus grain: compresses and decodes like a photo, not like noise."""
     grid = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
     base = Image.fromarray(grid).resize((width, height), Image.Resampling.BICUBIC)
@@ -54,7 +56,9 @@ def _rotated_rect(cx: float, cy: float, w: float, h: float, angle: float) -> lis
     return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in corners]
 
 
-def _draw_mask(name: str, size: tuple[int, int], rng: np.random.Generator) -> Image.Image:
+def draw_mask(name: str, size: tuple[int, int], rng: np.random.Generator) -> Image.Image:
+    """Shape `name` at a random place, size and rotation in a `size` canvas: a soft mode ``L``
+    mask (255 inside, blurred edges)."""
     width, height = size
     r = float(rng.uniform(0.22, 0.34)) * min(width, height)
     cx = float(rng.uniform(r + 2, width - r - 2))
@@ -92,11 +96,11 @@ def _draw_mask(name: str, size: tuple[int, int], rng: np.random.Generator) -> Im
 def render_shape(label: int, rng: np.random.Generator) -> Image.Image:
     """One RGB image of shape class `label` on a random textured background."""
     width, height = (int(v) for v in rng.integers(_MIN_SIDE, _MAX_SIDE + 1, size=2))
-    background = _background(rng, width, height)
+    background = textured_background(rng, width, height)
     luma = float(np.asarray(background.convert("L")).mean())
     colour = rng.integers(0, 90, size=3) if luma > 128 else rng.integers(166, 256, size=3)
     fill = Image.new("RGB", (width, height), tuple(int(c) for c in colour))
-    mask = _draw_mask(SHAPE_CLASSES[label], (width, height), rng)
+    mask = draw_mask(SHAPE_CLASSES[label], (width, height), rng)
     return Image.composite(fill, background, mask)
 
 

@@ -1,0 +1,75 @@
+"""Batches of detection and segmentation samples, in torchvision's conventions.
+
+- detection: ``(images, targets)``: a uint8 (N, 3, H, W) batch when every image of the batch
+  has one size (a recipe with an ``image_size``), else the list of the N uint8 (3, H_i, W_i)
+  images (what torchvision's detection models take); ``targets`` the list of the N target
+  dicts (`dlpipe.loading.targets`), as they are.
+- segmentation: ``(images, masks)``: uint8 (N, 3, H, W) and int64 (N, H, W) (what
+  ``CrossEntropyLoss(ignore_index=...)`` takes); every sample of a batch has one size (the
+  train crop, the eval resize), else a `BatchShapeError` naming the sizes.
+
+Images are stacked as `dlpipe.loading.views.stack_in_memory_order` stacks classification
+crops: channels-last samples make a channels-last batch, into shared memory in a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dlpipe.errors import DlpipeError
+from dlpipe.loading.views import stack_in_memory_order
+
+__all__ = ["BatchShapeError", "collate_detection", "collate_segmentation", "task_collate"]
+
+
+class BatchShapeError(DlpipeError, ValueError):
+    """The samples of a segmentation batch differ in size."""
+
+
+def collate_detection(
+    batch: Sequence[tuple[torch.Tensor, dict[str, Any]]],
+) -> tuple[torch.Tensor | list[torch.Tensor], list[dict[str, Any]]]:
+    """(image, target) pairs → (a uint8 batch, or a list of images when sizes differ; the list
+    of targets)."""
+    images = [image for image, _ in batch]
+    targets = [target for _, target in batch]
+    if len({tuple(image.shape) for image in images}) == 1:
+        return stack_in_memory_order(images), targets
+    return images, targets
+
+
+def collate_segmentation(
+    batch: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image, mask) pairs → (uint8 (N, 3, H, W), int64 (N, H, W)).
+
+    Raises:
+        BatchShapeError: the samples differ in size (naming the sizes).
+    """
+    sizes = sorted({tuple(image.shape[-2:]) for image, _ in batch})
+    if len(sizes) > 1:
+        raise BatchShapeError(
+            f"a segmentation batch holds images of sizes {sizes}; one batch needs one size: "
+            "use a recipe that crops or resizes (train, eval) with an image_size"
+        )
+    images = stack_in_memory_order([image for image, _ in batch])
+    masks = [mask.as_subclass(torch.Tensor).to(torch.int64) for _, mask in batch]
+    return images, stack_in_memory_order(masks)
+
+
+def task_collate(task: str) -> Callable[[Any], Any]:
+    """The collate function of `task` (``detection`` or ``segmentation``).
+
+    Raises:
+        ValueError: another task.
+    """
+    collates: dict[str, Callable[[Any], Any]] = {
+        "detection": collate_detection,
+        "segmentation": collate_segmentation,
+    }
+    if task not in collates:
+        raise ValueError(f"task {task!r} has no collate here; known: {', '.join(collates)}")
+    return collates[task]

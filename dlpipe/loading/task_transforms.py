@@ -1,0 +1,274 @@
+"""Joint transform recipes for detection and segmentation: torchvision's reference presets on
+uint8 ``tv_tensors``, seeded per sample.
+
+`TaskTransform` decodes a sample's image (`dlpipe.loading.transforms.decode_rgb`: one pixel
+limit, libjpeg-turbo, Pillow for the rest), makes its target (`dlpipe.loading.targets`) and runs
+the recipe's ``torchvision.transforms.v2`` ops on both, so boxes and masks move with every
+pixel; no box geometry is written here. The recipes follow torchvision's
+``references/detection/presets.py`` and ``references/segmentation/presets.py`` (their
+``use_v2`` paths) step by step, except that the image stays uint8 (no ``ToDtype``, no
+``Normalize``: the loader's batches are uint8 and are normalised on the device) and tensors
+stay ``tv_tensors`` (no ``ToPureTensor``: targets keep ``BoundingBoxes`` and ``Mask``):
+
+- detection ``hflip`` (also ``train``, torchvision's default policy): RandomHorizontalFlip;
+  ``ssd``: RandomPhotometricDistort, RandomZoomOut (fill: the reference's mean, 0 for masks),
+  RandomIoUCrop, RandomHorizontalFlip; ``ssdlite``: RandomIoUCrop, RandomHorizontalFlip; each
+  then ConvertBoundingBoxFormat(XYXY) and SanitizeBoundingBoxes (labels and iscrowd dropped
+  with their boxes). ``eval``: nothing. With an `image_size`, every detection recipe ends
+  with a resize to `image_size` x `image_size` (SSD's fixed input), so a batch stacks; without
+  one the images keep their sizes, as the references leave them for the model to resize.
+- segmentation ``train``: RandomResize(0.5 x base, 2 x base), RandomHorizontalFlip,
+  `PadIfSmaller` (image 0, mask the ignore value, 255 without one), RandomCrop(image_size);
+  ``eval``: Resize((base, base)). ``base_size`` defaults to ``image_size`` x 520/480, the
+  references' ratio.
+
+**Seeded per sample.** v2 ops draw from torch's global generator, so each sample's ops run
+with it seeded by (seed, epoch, sample index) (`TaskTransform.rng_seed`), saved and put back
+around them, under a lock: the same sample at the same epoch gets the same pixels, boxes and
+masks in any worker, process or thread, and the caller's random stream is untouched. The lock
+makes the thread engine run the joint ops of its samples one at a time (the decode runs
+outside it); DataLoader worker processes never wait on it.
+
+**Crop-aware decode** is not done here: the whole image is decoded. It applies to the
+segmentation train crop (RandomResize's size and RandomCrop's box depend only on the image
+size, which the header gives, so the source region a crop needs is known before decoding) and
+to the detection ``ssdlite`` crop (RandomIoUCrop's box depends on the image size and the
+boxes, both known before decoding); it does not apply to ``ssd``, whose zoom-out pads before
+the crop, or to ``hflip`` and ``eval``, which keep every pixel.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+
+from dlpipe.codecs import max_image_pixels
+from dlpipe.errors import FieldDecodeError
+from dlpipe.loading.targets import TargetSpec
+from dlpipe.loading.transforms import decode_rgb, image_field
+from dlpipe.manifest import Manifest
+from dlpipe.sample import KEY_FIELD, Sample
+
+__all__ = [
+    "DETECTION_MEAN",
+    "RECIPES",
+    "PadIfSmaller",
+    "TaskTransform",
+    "detection_ops",
+    "make_task_transform",
+    "segmentation_ops",
+]
+
+RECIPES = {
+    "detection": ("train", "hflip", "ssd", "ssdlite", "eval"),
+    "segmentation": ("train", "eval"),
+}
+"""The recipes of each task; detection's ``train`` is ``hflip`` (torchvision's default)."""
+DETECTION_MEAN = (123, 117, 104)
+"""The zoom-out fill of the ``ssd`` policy (the reference's mean, in uint8 levels)."""
+_BASE_OVER_CROP = 520 / 480  # the segmentation references' base_size / crop_size
+_RNG_LOCK = threading.Lock()
+
+Op = Callable[[Any], Any]
+
+
+class PadIfSmaller(v2.Transform):
+    """Pad the bottom and right of an image (fill 0) and its mask (fill `mask_fill`) up to
+    `size` on each side; a larger side is left as it is (the segmentation reference's
+    ``v2_extras.PadIfSmaller``)."""
+
+    def __init__(self, size: int, mask_fill: int = 255) -> None:
+        super().__init__()
+        self.size, self.mask_fill = size, mask_fill
+
+    def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
+        height, width = v2.functional.get_size(
+            next(i for i in flat_inputs if isinstance(i, tv_tensors.Image))
+        )
+        return {"padding": [0, 0, max(self.size - width, 0), max(self.size - height, 0)]}
+
+    def transform(self, inpt: Any, params: dict[str, Any]) -> Any:
+        if not any(params["padding"]):
+            return inpt
+        fill = self.mask_fill if isinstance(inpt, tv_tensors.Mask) else 0
+        return v2.functional.pad(inpt, padding=params["padding"], fill=fill)
+
+
+def _labels_and_crowd(inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """What SanitizeBoundingBoxes drops with each removed box, beside the box and its mask."""
+    target = inputs[1]
+    return target["labels"], target["iscrowd"]
+
+
+def detection_ops(policy: str, image_size: int | None = None) -> list[Op]:
+    """The v2 ops of a detection recipe (`RECIPES`), on (image, target dict) pairs.
+
+    Raises:
+        ValueError: an unknown policy, naming the known ones.
+    """
+    flip = v2.RandomHorizontalFlip(p=0.5)
+    policies: dict[str, list[Op]] = {
+        "hflip": [flip],
+        "ssd": [
+            v2.RandomPhotometricDistort(),
+            v2.RandomZoomOut(fill=defaultdict(lambda: DETECTION_MEAN, {tv_tensors.Mask: 0})),
+            v2.RandomIoUCrop(),
+            flip,
+        ],
+        "ssdlite": [v2.RandomIoUCrop(), flip],
+        "eval": [],
+    }
+    policies["train"] = policies["hflip"]
+    if policy not in policies:
+        raise ValueError(
+            f"detection recipe {policy!r} is not one of {', '.join(RECIPES['detection'])}"
+        )
+    ops = list(policies[policy])
+    if image_size is not None:
+        ops.append(v2.Resize((image_size, image_size)))
+    if policy != "eval":
+        ops += [
+            v2.ConvertBoundingBoxFormat(tv_tensors.BoundingBoxFormat.XYXY),
+            v2.SanitizeBoundingBoxes(labels_getter=_labels_and_crowd),
+        ]
+    return ops
+
+
+def segmentation_ops(
+    recipe: str, crop_size: int, base_size: int | None = None, mask_fill: int = 255
+) -> list[Op]:
+    """The v2 ops of a segmentation recipe (``train``/``eval``), on (image, Mask) pairs.
+
+    Raises:
+        ValueError: an unknown recipe.
+    """
+    base = round(crop_size * _BASE_OVER_CROP) if base_size is None else base_size
+    if recipe == "train":
+        return [
+            v2.RandomResize(min_size=int(0.5 * base), max_size=int(2.0 * base)),
+            v2.RandomHorizontalFlip(0.5),
+            PadIfSmaller(crop_size, mask_fill),
+            v2.RandomCrop(crop_size),
+        ]
+    if recipe == "eval":
+        return [v2.Resize(size=(base, base))]
+    raise ValueError(f"segmentation recipe {recipe!r} is not one of train, eval")
+
+
+class TaskTransform:
+    """A detection or segmentation sample → (uint8 image (3, H, W), target), picklable for
+    DataLoader workers.
+
+    Args:
+        spec: what the dataset's annotation fields are (`TargetSpec.from_manifest`); its task
+            picks the recipes.
+        recipe: one of ``RECIPES[spec.task]``.
+        image_size: segmentation: the train crop's side (eval resizes to `base_size`);
+            detection: the side every image is resized to last, or None to keep sizes.
+        field: the sample's image field.
+        seed: the augmentation seed (with the epoch and the sample index).
+        base_size: segmentation's base size (default ``image_size`` x 520/480).
+
+    Raises:
+        ValueError: a task without recipes here, or a recipe the task does not have.
+    """
+
+    seeded_by_position = True  # takes (epoch, index): see `dlpipe.loading.views.apply_transform`
+
+    def __init__(
+        self,
+        spec: TargetSpec,
+        recipe: str,
+        image_size: int | None,
+        field: str,
+        seed: int = 0,
+        *,
+        base_size: int | None = None,
+    ) -> None:
+        if spec.task not in RECIPES:
+            raise ValueError(f"task {spec.task!r} has no joint transform recipes here")
+        if recipe not in RECIPES[spec.task]:
+            raise ValueError(
+                f"{spec.task} recipe {recipe!r} is not one of {', '.join(RECIPES[spec.task])}"
+            )
+        if spec.task == "segmentation" and image_size is None:
+            raise ValueError("segmentation needs an image_size: the train crop's side")
+        self.spec, self.recipe, self.image_size, self.field = spec, recipe, image_size, field
+        self.seed, self.base_size = seed, base_size
+        self.max_pixels = max_image_pixels()  # carried into spawned workers with the transform
+        self._ops: list[Op] | None = None
+
+    def ops(self) -> list[Op]:
+        """The recipe's v2 ops (made once per process)."""
+        if self._ops is None:
+            if self.spec.task == "detection":
+                self._ops = detection_ops(self.recipe, self.image_size)
+            else:
+                fill = 255 if self.spec.ignore is None else self.spec.ignore
+                assert self.image_size is not None  # checked in __init__
+                self._ops = segmentation_ops(self.recipe, self.image_size, self.base_size, fill)
+        return self._ops
+
+    def rng_seed(self, epoch: int, index: int) -> int:
+        """The seed of torch's generator while sample `index`'s ops run in `epoch`."""
+        key = np.random.SeedSequence([self.seed, epoch, index]).generate_state(2, np.uint64)
+        return int(key[0] >> np.uint64(1))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_ops": None}
+
+    def __call__(self, sample: Sample, epoch: int = 0, index: int = 0) -> tuple[torch.Tensor, Any]:
+        """The transformed (image, target) of `sample`, the `index`-th of its split.
+
+        Raises:
+            FieldDecodeError: the image does not decode (naming the sample and field).
+            TargetError: the annotation makes no valid target (`dlpipe.loading.targets`).
+        """
+        data = bytes(sample[self.field])  # type: ignore[arg-type]
+        try:
+            image = decode_rgb(data, self.max_pixels)
+        except FieldDecodeError as exc:
+            key = sample.get(KEY_FIELD, "?")
+            raise type(exc)(f"sample {key!r} field {self.field!r}: {exc}") from None
+        target = self.spec.target(sample, (image.shape[-2], image.shape[-1]), index)
+        image, target = self.apply(tv_tensors.Image(image), target, self.rng_seed(epoch, index))
+        return image.as_subclass(torch.Tensor), target
+
+    def apply(self, image: tv_tensors.Image, target: Any, rng_seed: int) -> tuple[Any, Any]:
+        """The recipe's ops on (image, target), torch's generator seeded with `rng_seed`."""
+        pair = (image, target)
+        with _RNG_LOCK, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng_seed)
+            for op in self.ops():
+                pair = op(pair)
+        return pair
+
+    def __repr__(self) -> str:
+        return f"TaskTransform({self.spec.task!r}, {self.recipe!r}, image_size={self.image_size})"
+
+
+def make_task_transform(
+    manifest: Manifest,
+    recipe: str,
+    image_size: int | None,
+    seed: int = 0,
+    *,
+    task: str | None = None,
+    base_size: int | None = None,
+) -> TaskTransform:
+    """The `TaskTransform` of a dataset: its task (or `task`), annotation fields and image
+    field read from `manifest`.
+
+    Raises:
+        ValueError: as `TargetSpec.from_manifest` and `TaskTransform`.
+    """
+    spec = TargetSpec.from_manifest(manifest, task)
+    field = image_field(list(manifest.fields))
+    return TaskTransform(spec, recipe, image_size, field, seed, base_size=base_size)
