@@ -12,7 +12,10 @@ nothing. Each image here is
 - plus a little per-pixel sensor grain,
 
 saved as baseline JPEG, quality 90, 4:2:0 chroma subsampling (Pillow's default), as most
-camera and web JPEGs are.
+camera and web JPEGs are. The ``imagenet`` encoding keeps the same pixels but varies how each
+file is written, as ImageNet's files vary: quality uniform in 75-95, 4:2:0, and of every ten
+files about six baseline with the standard Huffman tables, three baseline with optimised
+tables and one progressive (drawn per image from its own seeded stream).
 
 Sizes follow ImageNet's: the width is log-normal around 400 px and the aspect ratio (height /
 width) log-normal around 0.87, both sides clipped to 200-800 px, for a mean near 400x350 px.
@@ -29,6 +32,7 @@ folder that it made, or an empty one).
 Run from the repository root::
 
     python benchmarks/corpus.py /tmp/corpus --images 1500 [--classes 10] [--seed 0]
+        [--encoding q90|imagenet]
 
 or from Python: ``make_corpus(root, images, classes=10, seed=0)`` → a statistics dict.
 """
@@ -51,6 +55,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 __all__ = [
     "DEFAULT_CORPUS",
+    "ENCODINGS",
     "GENERATOR_VERSION",
     "MARKER_NAME",
     "cached_corpus",
@@ -71,6 +76,9 @@ WIDTH_MEDIAN, WIDTH_SIGMA = 390.0, 0.22
 ASPECT_MEDIAN, ASPECT_SIGMA = 0.87, 0.18
 SPECTRUM_EXPONENT = 0.85  # amplitude ~ 1/f**exponent
 LUMA_STD, CHROMA_STD, GRAIN_STD = 44.0, 13.0, 6.0
+ENCODINGS = ("q90", "imagenet")  # q90: every file baseline, quality 90; imagenet: a mix
+IMAGENET_QUALITY = (75, 95)
+IMAGENET_OPTIMISED, IMAGENET_PROGRESSIVE = 0.3, 0.1  # shares of the files
 
 
 # ----------------------------------------------------------------------------------- pixels
@@ -122,7 +130,30 @@ def scene(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
     return np.asarray(image, dtype=np.float32)
 
 
-def image_bytes(seed: int, index: int) -> tuple[bytes, int, int]:
+def jpeg_options(seed: int, index: int, encoding: str = "q90") -> dict[str, Any]:
+    """Pillow's JPEG save options for image `index`: fixed for ``q90``, drawn from a stream
+    of its own for ``imagenet`` (so both encodings hold the same pixels)."""
+    if encoding == "q90":
+        return {"quality": QUALITY}
+    rng = np.random.default_rng([seed, index, 1])
+    low, high = IMAGENET_QUALITY
+    options: dict[str, Any] = {"quality": int(rng.integers(low, high + 1)), "subsampling": 2}
+    kind = rng.random()
+    if kind < IMAGENET_PROGRESSIVE:
+        options.update(progressive=True, optimize=True)
+    elif kind < IMAGENET_PROGRESSIVE + IMAGENET_OPTIMISED:
+        options["optimize"] = True
+    return options
+
+
+def jpeg_kind(options: dict[str, Any]) -> str:
+    """``baseline``, ``optimised`` (baseline, its own Huffman tables) or ``progressive``."""
+    if options.get("progressive"):
+        return "progressive"
+    return "optimised" if options.get("optimize") else "baseline"
+
+
+def image_bytes(seed: int, index: int, encoding: str = "q90") -> tuple[bytes, int, int]:
     """Image `index` of the corpus seeded `seed`: (JPEG bytes, width, height)."""
     rng = np.random.default_rng([seed, index])
     width, height = image_size(rng)
@@ -133,7 +164,7 @@ def image_bytes(seed: int, index: int) -> tuple[bytes, int, int]:
     pixels += rng.standard_normal((height, width, 1), dtype=np.float32) * GRAIN_STD
     buffer = io.BytesIO()
     Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(
-        buffer, format="JPEG", quality=QUALITY
+        buffer, format="JPEG", **jpeg_options(seed, index, encoding)
     )
     return buffer.getvalue(), width, height
 
@@ -149,10 +180,13 @@ def image_path(root: str, index: int, classes: int) -> str:
     return os.path.join(root, class_name(index % classes), f"{index:07d}.jpg")
 
 
-def _write_one(job: tuple[str, int, int, int]) -> tuple[int, int, int]:
+Job = tuple[str, int, int, int, str]
+
+
+def _write_one(job: Job) -> tuple[int, int, int]:
     """Write image `index` (a worker task); returns (bytes, width, height)."""
-    root, seed, index, classes = job
-    data, width, height = image_bytes(seed, index)
+    root, seed, index, classes, encoding = job
+    data, width, height = image_bytes(seed, index, encoding)
     with open(image_path(root, index, classes), "wb") as f:
         f.write(data)
     return len(data), width, height
@@ -168,8 +202,12 @@ def read_marker(root: str) -> dict[str, Any] | None:
     return marker
 
 
-def _params(images: int, classes: int, seed: int) -> dict[str, int]:
-    return {"images": images, "classes": classes, "seed": seed, "version": GENERATOR_VERSION}
+def _params(images: int, classes: int, seed: int, encoding: str) -> dict[str, Any]:
+    params: dict[str, Any] = {"images": images, "classes": classes, "seed": seed}
+    params["version"] = GENERATOR_VERSION
+    if encoding != "q90":  # the default leaves the markers of existing corpora valid
+        params["encoding"] = encoding
+    return params
 
 
 def _clear(root: str) -> None:
@@ -197,8 +235,12 @@ def make_corpus(
     classes: int = 10,
     seed: int = 0,
     workers: int | None = os.cpu_count(),
+    encoding: str = "q90",
 ) -> dict[str, Any]:
     """Make (or reuse) the corpus in `root` and return its statistics.
+
+    `encoding` is ``q90`` (every file baseline, quality 90) or ``imagenet`` (a mix of
+    qualities, optimised and progressive files: the module's docstring).
 
     Returns:
         ``images``, ``classes``, ``seed``, ``per_class`` (image count per class),
@@ -206,13 +248,15 @@ def make_corpus(
         ``reused`` (an existing matching corpus was found) and ``seconds`` (generation time).
 
     Raises:
-        ValueError: `images` or `classes` is below 1.
+        ValueError: `images` or `classes` is below 1, or `encoding` is unknown.
         FileExistsError: `root` holds other files and was not made by this function.
     """
     if images < 1 or classes < 1:
         raise ValueError(f"images ({images}) and classes ({classes}) must be at least 1")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding {encoding!r} is not one of {', '.join(ENCODINGS)}")
     root = os.path.abspath(root)
-    params = _params(images, classes, seed)
+    params = _params(images, classes, seed, encoding)
     marker = read_marker(root)
     if marker is not None and marker.get("params") == params:
         return {**marker["stats"], "root": root, "reused": True}
@@ -222,7 +266,7 @@ def make_corpus(
     open(os.path.join(root, PARTIAL_NAME), "w").close()
     for label in range(classes):
         os.makedirs(os.path.join(root, class_name(label)), exist_ok=True)
-    jobs = [(root, seed, i, classes) for i in range(images)]
+    jobs = [(root, seed, i, classes, encoding) for i in range(images)]
     sizes = _run(jobs, max(1, min(workers or 1, images)))
     stats = _stats(params, sizes, time.perf_counter() - started)
     _write_marker(root, {"params": params, "stats": stats})
@@ -230,7 +274,7 @@ def make_corpus(
     return {**stats, "root": root, "reused": False}
 
 
-def _run(jobs: Sequence[tuple[str, int, int, int]], workers: int) -> list[tuple[int, int, int]]:
+def _run(jobs: Sequence[Job], workers: int) -> list[tuple[int, int, int]]:
     if workers == 1:
         return [_write_one(job) for job in jobs]
     context = multiprocessing.get_context("spawn")
@@ -238,7 +282,7 @@ def _run(jobs: Sequence[tuple[str, int, int, int]], workers: int) -> list[tuple[
         return pool.map(_write_one, jobs, chunksize=16)
 
 
-def _stats(params: dict[str, int], sizes: list[tuple[int, int, int]], seconds: float) -> dict:
+def _stats(params: dict[str, Any], sizes: list[tuple[int, int, int]], seconds: float) -> dict:
     counts = [0] * params["classes"]
     for i in range(params["images"]):
         counts[i % params["classes"]] += 1
@@ -256,7 +300,8 @@ def _stats(params: dict[str, int], sizes: list[tuple[int, int, int]], seconds: f
         "mean_height": float(arr[:, 2].mean()),
         "min_side": int(arr[:, 1:].min()),
         "max_side": int(arr[:, 1:].max()),
-        "jpeg_quality": QUALITY,
+        "jpeg_quality": QUALITY if "encoding" not in params else "75-95",
+        **({"encoding": params["encoding"]} if "encoding" in params else {}),
         "seconds": seconds,
     }
 
@@ -281,10 +326,14 @@ def corpus_files(root: str) -> list[str]:
     return files
 
 
-def cached_corpus(root: str | None, images: int, seed: int) -> tuple[str, dict[str, Any]]:
+def cached_corpus(
+    root: str | None, images: int, seed: int, encoding: str = "q90"
+) -> tuple[str, dict[str, Any]]:
     """The corpus at `root` (default: under DEFAULT_CORPUS), made once and reused after."""
-    root = root or os.path.join(DEFAULT_CORPUS, f"{images}-s{seed}")
-    return root, make_corpus(root, images, seed=seed, workers=os.cpu_count() or 1)
+    suffix = "" if encoding == "q90" else f"-{encoding}"
+    root = root or os.path.join(DEFAULT_CORPUS, f"{images}-s{seed}{suffix}")
+    cpus = os.cpu_count() or 1
+    return root, make_corpus(root, images, seed=seed, workers=cpus, encoding=encoding)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,11 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     parser.add_argument(
+        "--encoding", choices=ENCODINGS, default="q90", help="how files are written (default q90)"
+    )
+    parser.add_argument(
         "--workers", type=int, default=os.cpu_count(), help="processes (default: all cores)"
     )
     args = parser.parse_args(argv)
     try:
-        stats = make_corpus(args.out, args.images, args.classes, args.seed, args.workers)
+        stats = make_corpus(
+            args.out, args.images, args.classes, args.seed, args.workers, args.encoding
+        )
     except (ValueError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

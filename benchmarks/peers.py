@@ -4,8 +4,8 @@ Both give what every other contender of the loader benchmark gives, read from th
 corpus folder (ImageFolder layout, ``root/<class>/<file>.jpg``, labels = index of the class
 folder in sorted order, as torchvision's ``ImageFolder``): RandomResizedCrop(224) with scale
 (0.08, 1) and ratio (3/4, 4/3), a horizontal flip with probability 0.5, uint8 batches of shape
-(64, 3, 224, 224) (contiguous NCHW) and int64 labels of shape (64,), in a random order, full
-batches only, epoch after epoch.
+(64, 3, 224, 224) (contiguous NCHW; FFCV's own recipe: channels-last memory, as dlpipe's) and
+int64 labels of shape (64,), in a random order, full batches only, epoch after epoch.
 
 - **FFCV** (``ffcv_loader``): the corpus is written once to a ``.beton`` file whose image field
   holds each original JPEG file byte for byte (no decode, no re-encode, no resize), then read
@@ -13,6 +13,18 @@ batches only, epoch after epoch.
   the whole image, then OpenCV crop + resize), ``RandomHorizontalFlip``, ``ToTensor`` and
   ``ToTorchImage(channels_last=False)``; ``workers`` threads (numba), order RANDOM,
   ``os_cache=True``, ``drop_last=True``.
+- **FFCV, its own recipe** (``ffcv_recipe_loader``): what FFCV's ImageNet example
+  (``libffcv/ffcv-imagenet``: ``write_imagenet.py`` through ``./write_dataset.sh 400 0.10 90``,
+  and ``train_imagenet.py``'s ``create_train_loader``) does, with uint8 output on the CPU: the
+  .beton written from torchvision's ``ImageFolder`` with ``RGBImageField(write_mode=
+  "proportion", max_resolution=400, compress_probability=0.10, jpeg_quality=90)`` (each image
+  shrunk to at most 400 px a side, then 90 % stored as raw RGB pixels and 10 % re-encoded as
+  quality-90 JPEGs), read with order ``QUASI_RANDOM`` (its choice when not distributed),
+  ``os_cache=True`` (``in_memory=1``), ``drop_last=True``, ``batches_ahead=3`` (the default)
+  and the pipeline ``RandomResizedCropRGBImageDecoder`` → ``RandomHorizontalFlip`` →
+  ``ToTensor`` → ``ToTorchImage()`` (channels-last memory, as dlpipe's batches), leaving out
+  only ``ToDevice`` and ``NormalizeImage`` (the GPU's part). Its batches differ from the
+  others' in what they start from: images of at most 400 px a side.
 - **DALI** (``dali_loader``): a CPU-only pipeline (``device_id=None``): ``fn.readers.file``
   over the ImageFolder's files and labels (global reshuffle every epoch),
   ``fn.decoders.image_random_crop(device="cpu")`` (libjpeg-turbo decode of the crop window
@@ -35,7 +47,9 @@ How the outputs differ from torchvision's ``RandomResizedCrop(224)`` + ``RandomH
   on average. Its file order is reshuffled every epoch from a fixed seed (the same
   sequence of orders in every run); crops and flips follow the pipeline's random seed.
 
-Install (Debian 12, Python 3.11, torch 2.14.1 left unchanged by both)::
+Install (Debian 12, Python 3.11, torch 2.14.1 left unchanged by both; a venv of its own beside
+dlpipe's works too: a ``.pth`` file that ``site.addsitedir``-s dlpipe's venv lends it torch and
+dlpipe, and ``pip install wheel setuptools`` first lets ``--no-build-isolation`` build)::
 
     pip install nvidia-dali-cuda130        # DALI 2.4.0; CPU pipelines need no GPU or driver
 
@@ -61,7 +75,22 @@ import torch
 SCALE = (0.08, 1.0)
 RATIO = (3.0 / 4.0, 4.0 / 3.0)
 
-__all__ = ["dali_available", "dali_loader", "ffcv_available", "ffcv_loader"]
+__all__ = [
+    "FFCV_RECIPE",
+    "dali_available",
+    "dali_loader",
+    "ffcv_available",
+    "ffcv_loader",
+    "ffcv_recipe_loader",
+]
+
+# FFCV's ImageNet example's write settings (``./write_dataset.sh 400 0.10 90``)
+FFCV_RECIPE = {
+    "write_mode": "proportion",
+    "max_resolution": 400,
+    "compress_probability": 0.10,
+    "jpeg_quality": 90,
+}
 
 
 # ----------------------------------------------------------------------------------- common
@@ -149,27 +178,31 @@ class _JpegFiles:
         return (data, width, height), label
 
 
-def _beton(samples: list[tuple[str, int]], work_dir: str) -> str:
-    """The .beton of `samples` in `work_dir`, written once (named by a hash of the file list)."""
+def _beton(samples: list[tuple[str, int]], work_dir: str, recipe: bool = False) -> str:
+    """The .beton of `samples` in `work_dir`, written once (named by a hash of the file list):
+    the JPEG files as they are, or (`recipe`) written as FFCV's ImageNet example writes."""
+    from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
+    from torchvision.datasets import ImageFolder
 
-    key = hashlib.sha1()
+    key = hashlib.sha1(b"recipe" if recipe else b"")
     for path, label in samples:
         stat = os.stat(path)
         key.update(f"{path}\0{label}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    path = os.path.join(work_dir, f"ffcv-{key.hexdigest()[:16]}.beton")
+    kind = "recipe-" if recipe else ""
+    path = os.path.join(work_dir, f"ffcv-{kind}{key.hexdigest()[:16]}.beton")
     if os.path.exists(path):
         return path
     os.makedirs(work_dir, exist_ok=True)
-    from ffcv.fields import IntField
-
+    image = RGBImageField(**FFCV_RECIPE) if recipe else _jpeg_field()
     partial = f"{path}.partial-{os.getpid()}"
     writer = DatasetWriter(
         partial,
-        {"image": _jpeg_field(), "label": IntField()},
+        {"image": image, "label": IntField()},
         num_workers=min(4, os.cpu_count() or 1),  # processes; a one-off, not timed
     )
-    writer.from_indexed_dataset(_JpegFiles(samples))
+    root = os.path.dirname(os.path.dirname(samples[0][0]))
+    writer.from_indexed_dataset(ImageFolder(root) if recipe else _JpegFiles(samples))
     os.replace(partial, path)
     return path
 
@@ -217,6 +250,52 @@ def ffcv_loader(
                 RandomHorizontalFlip(0.5),
                 ToTensor(),
                 ToTorchImage(channels_last=False),
+            ],
+            "label": [IntDecoder(), ToTensor(), Squeeze()],
+        },
+    )
+
+
+def ffcv_recipe_loader(
+    corpus_root: str, work_dir: str, workers: int, batch_size: int = 64, size: int = 224
+) -> Any:
+    """FFCV's loader as FFCV's ImageNet example sets it up, with uint8 output on the CPU.
+
+    The first call writes ``work_dir/ffcv-<hash>.beton`` with `FFCV_RECIPE` (the module's
+    docstring: at most 400 px a side, 90 % raw pixels, 10 % quality-90 JPEGs); later calls
+    reuse it.
+
+    Args:
+        corpus_root: ImageFolder-layout folder of JPEGs (``root/<class>/<file>.jpg``).
+        work_dir: Folder for the .beton (made if missing).
+        workers: FFCV's ``num_workers`` threads (at least 1).
+        batch_size: Samples per batch.
+        size: Side of the square crop.
+
+    Returns:
+        An ``ffcv.loader.Loader``; each pass is one epoch (order QUASI_RANDOM, last partial
+        batch dropped) of ``(uint8 (batch_size, 3, size, size) channels-last,
+        int64 (batch_size,))``, in buffers FFCV reuses a few batches later.
+    """
+    from ffcv.fields.basics import IntDecoder
+    from ffcv.fields.decoders import RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToTensor, ToTorchImage
+
+    path = _beton(_samples(corpus_root), work_dir, recipe=True)
+    return Loader(
+        path,
+        batch_size=batch_size,
+        num_workers=max(1, workers),
+        order=OrderOption.QUASI_RANDOM,
+        os_cache=True,
+        drop_last=True,
+        pipelines={
+            "image": [
+                RandomResizedCropRGBImageDecoder((size, size)),
+                RandomHorizontalFlip(),
+                ToTensor(),
+                ToTorchImage(),
             ],
             "label": [IntDecoder(), ToTensor(), Squeeze()],
         },

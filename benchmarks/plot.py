@@ -30,8 +30,8 @@ def draw(result: dict) -> Image.Image:
         (12, 12),
         f"make_loader samples/s, {cfg['images']} JPEGs, {cfg['image_size']} px train transform, "
         f"batch {cfg['batch_size']}, {result['machine']['cpu_count']} cores "
-        f"(best workers or threads each, side by side: medians of {cfg['windows']} rounds; "
-        "x baseline: median round-by-round ratio)",
+        f"(best workers or threads each, side by side: medians of {cfg['rounds']} whole "
+        "epochs; x baseline: median round-by-round ratio)",
         fill="black",
     )
     for i, row in enumerate(rows):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -286,58 +285,6 @@ def test_wandb_missing_names_the_extra(tmp_path: Path, monkeypatch: pytest.Monke
         RunLogger(str(tmp_path / "run"), enabled=True, classes=CLASSES, wandb_project="p")
     assert isinstance(caught.value, ImportError) and isinstance(caught.value, DlpipeError)
     assert not (tmp_path / "run").exists()
-
-
-class FakeWandb(types.ModuleType):
-    """Stands in for the wandb module and records what the logger sends it."""
-
-    def __init__(self) -> None:
-        super().__init__("wandb")
-        self.inits: list[dict[str, Any]] = []
-        self.logs: list[tuple[dict[str, Any], int]] = []
-        self.finished = 0
-
-    def init(self, **kwargs: Any) -> types.SimpleNamespace:
-        self.inits.append(kwargs)
-        return types.SimpleNamespace(log=self._log, finish=self._finish)
-
-    def Image(self, image: Image.Image) -> tuple[str, tuple[int, int]]:
-        return ("image", image.size)
-
-    def _log(self, values: dict[str, Any], step: int) -> None:
-        self.logs.append((values, step))
-
-    def _finish(self) -> None:
-        self.finished += 1
-
-
-def test_wandb_gets_the_same_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeWandb()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    config = {"lr": 0.1}
-    log_a_run(tmp_path / "run", wandb_project="dlpipe-test", config=config)
-    run_id = (tmp_path / "run" / "wandb-id.txt").read_text().strip()
-
-    assert fake.inits == [
-        {
-            "project": "dlpipe-test",
-            "config": config,
-            "dir": str(tmp_path / "run"),
-            "resume": "allow",
-            "id": run_id,
-        }
-    ]
-    assert fake.logs[0] == ({"train/loss": 2.5, "train/lr": 0.1}, 1)
-    epoch_values, epoch_step = fake.logs[2]
-    assert epoch_step == 2 and epoch_values["val/top1"] == 2 / 6
-    assert epoch_values["epoch/train_loss"] == 2.25 and "epoch/samples_per_s" not in epoch_values
-    assert fake.logs[3][0]["val/confusion"][0] == "image"
-    assert fake.finished == 1
-
-    with RunLogger(str(tmp_path / "run"), enabled=True, classes=CLASSES, wandb_project="p") as log:
-        log.close()  # closing twice finishes the W&B run once
-    assert fake.inits[1]["id"] == run_id  # a resumed run continues the same W&B run
-    assert fake.finished == 2
 
 
 # --- render_confusion ---------------------------------------------------------------------------
