@@ -24,8 +24,8 @@ all cores and with one worker:
    image in ``annotations/instances_train.json`` (``benchmarks/convert_detection.py``),
    converted by ``dlpipe convert VIEW --to wds --source coco`` (the JSON streamed, every box
    checked against its image), against the same reference (``--no-detection`` skips it).
-   The duplicate audit's own cost (each image's difference hash and sha256 beside the draft
-   decode, and the grouping of every fingerprint) is timed in this process.
+   The duplicate audit's own cost (each image's difference hash beside the draft decode, and
+   the grouping of every fingerprint) is timed in this process.
 6. LitData's ``optimize`` (when ``litdata`` imports) at all workers, writing ``{"image": file
    bytes, "label": int}`` with ``chunk_bytes="64MB"``, as a subprocess. It decodes nothing.
 7. ``disk write + fsync``: 64 MB files written and fsync'ed on the output disk (up to 1 GB in
@@ -145,38 +145,42 @@ class Bench:
         images: int | None = None,
         total_bytes: int | None = None,
     ) -> dict[str, Any]:
-        """`run(out)` `repeats` times, each with a fresh output folder deleted after it."""
-        seconds, cpu, extras = [], [], []
-        for _ in range(self.repeats):
-            out = self.out_dir("out")
-            os.sync()
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            extra = run(out)
-            seconds.append(time.perf_counter() - t0)
-            cpu.append(cpu_seconds() - c0)
-            extras.append(extra or {})
-            shutil.rmtree(out, ignore_errors=True)
-        median = statistics.median(seconds)
-        row = {
-            "contender": contender,
-            "kind": kind,
-            "workers": workers,
-            "seconds": seconds,
-            "median_s": median,
-            "cpu_s": cpu,
-            "median_cpu_s": statistics.median(cpu),
-            "images": len(self.files) if images is None else images,
-            "images_per_s": (len(self.files) if images is None else images) / median,
-            "MB_per_s": (self.total_bytes if total_bytes is None else total_bytes) / 1e6 / median,
-            "runs": extras,
-        }
-        self.rows.append(row)
+        """`run(out)` once, with a fresh output folder deleted after it; the contender's row
+        gathers its rounds (`run_all` runs every contender once per round)."""
+        out = self.out_dir("out")
+        os.sync()
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        extra = run(out)
+        seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        shutil.rmtree(out, ignore_errors=True)
+        row = self._row(contender, workers, kind)
+        row["seconds"].append(seconds)
+        row["cpu_s"].append(cpu)
+        row["runs"].append(extra or {})
+        median = statistics.median(row["seconds"])
+        count = len(self.files) if images is None else images
+        row.update(
+            median_s=median,
+            median_cpu_s=statistics.median(row["cpu_s"]),
+            images=count,
+            images_per_s=count / median,
+            MB_per_s=(self.total_bytes if total_bytes is None else total_bytes) / 1e6 / median,
+        )
         print(
-            f"  {contender:<28} workers={workers:<2} {median:7.2f} s "
-            f"{row['images_per_s']:7.0f} img/s  {row['median_cpu_s']:7.2f} CPU s",
+            f"  {contender:<28} workers={workers:<2} {seconds:7.2f} s "
+            f"{count / seconds:7.0f} img/s  {cpu:7.2f} CPU s",
             file=sys.stderr,
             flush=True,
         )
+        return row
+
+    def _row(self, contender: str, workers: int, kind: str) -> dict[str, Any]:
+        for row in self.rows:
+            if (row["contender"], row["workers"]) == (contender, workers):
+                return row
+        row = {"contender": contender, "kind": kind, "workers": workers}
+        row.update(seconds=[], cpu_s=[], runs=[])
+        self.rows.append(row)
         return row
 
     def baselines(self, workers: int) -> None:
@@ -383,24 +387,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_all(bench: Bench, args: argparse.Namespace) -> str:
-    """Every contender, all cores then one worker; returns the note on the other tools."""
+def run_all(bench: Bench, args: argparse.Namespace, loads: list[list[float] | None]) -> str:
+    """Every contender once per round (all cores, then one worker), so that a change in the
+    machine's load falls on every contender alike; the load average at the start of each
+    round goes to `loads`. Returns the note on the other tools."""
     with_wds = not args.no_webdataset and package_version("webdataset") is not None
-    for workers in (bench.cores, 1):
-        bench.baselines(workers)
-        if with_wds:
-            bench.webdataset(workers)
-        for fmt in args.formats:
-            bench.dlpipe(fmt, workers)
-        if not args.no_detection:
-            bench.coco("wds", workers)
-    bench.disk()
+    with_litdata = not args.no_litdata and litdata_version() is not None
+    for _ in range(bench.repeats):
+        loads.append(load_average())
+        for workers in (bench.cores, 1):
+            bench.baselines(workers)
+            if with_wds:
+                bench.webdataset(workers)
+            for fmt in args.formats:
+                bench.dlpipe(fmt, workers)
+            if not args.no_detection:
+                bench.coco("wds", workers)
+        bench.disk()
+        if with_litdata:
+            bench.litdata(bench.cores)
     notes = [] if with_wds else ["webdataset: skipped or not installed (`pip install webdataset`)."]
-    version = litdata_version()
-    if args.no_litdata or version is None:
+    if not with_litdata:
         notes.append("LitData: skipped (--no-litdata) or not installed (`pip install litdata`).")
-    else:
-        bench.litdata(bench.cores)
     return " ".join(notes)
 
 
@@ -417,12 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.work, exist_ok=True)
     work = tempfile.mkdtemp(prefix="dlpipe-bench-convert-", dir=args.work)
     load_before = load_average()
+    round_loads: list[list[float] | None] = []
     try:
         bench = Bench(corpus, work, args.repeats, cores)
         t0 = time.perf_counter()
         warm_up(bench.files)
         warmup_s = time.perf_counter() - t0
-        notes = run_all(bench, args)
+        notes = run_all(bench, args, round_loads)
         audit = audit_cost(bench.files)
         profile, stages = profile_dlpipe(bench.root, work) if args.profile else (None, None)
     finally:
@@ -447,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_read_s": warmup_s,
         "load_before": load_before,
         "load_after": load_average(),
+        "load_rounds": round_loads,
         "rows": bench.rows,
         "limits": limits,
         "verdict": verdicts(bench.rows, cores, stats),

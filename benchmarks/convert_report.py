@@ -204,6 +204,14 @@ def verdict_lines(v: dict[str, Any], cores: int) -> list[str]:
     ]
 
 
+def round_loads(result: dict[str, Any]) -> str:
+    """``; at each round's start: ...`` where the run recorded them (older runs did not)."""
+    loads = result.get("load_rounds")
+    if not loads:
+        return ""
+    return "; at each round's start: " + ", ".join(str(load) for load in loads)
+
+
 def audit_lines(result: dict[str, Any]) -> list[str]:
     """The detection conversion against the reference, and the duplicate audit's own cost."""
     v, audit = result["verdict"], result.get("audit")
@@ -218,12 +226,13 @@ def audit_lines(result: dict[str, Any]) -> list[str]:
     if audit:
         share = audit["fingerprint_us"] / audit["draft_decode_us"]
         lines.append(
-            f"- Duplicate audit, in every dlpipe row above: {audit['fingerprint_us']:.0f} µs of "
-            f"CPU per image net (the difference hash and the sha256, less what the grey draft "
-            f"they ride on saves), beside {audit['draft_decode_us']:.0f} µs for the colour "
-            f"draft decode of before (+{100 * share:.0f} %; one process, best of 3 over "
-            f"{audit['images_timed']:,} images); grouping {audit['grouping_images']:,} "
-            f"fingerprints: {audit['grouping_s']:.2f} CPU s."
+            f"- Duplicate audit, in every dlpipe row above: {audit['fingerprint_us']:+.0f} µs "
+            f"of CPU per image net (the difference hash, less what the grey draft it rides on "
+            f"saves; a file's sha256 is taken only when its group could be exact copies), "
+            f"beside {audit['draft_decode_us']:.0f} µs for the colour draft decode of before "
+            f"({100 * share:+.0f} %; one process, best of 3 over {audit['images_timed']:,} "
+            f"images); grouping {audit['grouping_images']:,} fingerprints: "
+            f"{audit['grouping_s']:.2f} CPU s."
         )
     return lines
 
@@ -247,15 +256,17 @@ def markdown(result: dict[str, Any]) -> str:
         f"Machine: {m['cpus_usable']} usable CPUs ({m['cpu_count']} reported), {m['processor']}, "
         f"Python {m['python']}, Pillow {m['pillow']} (libjpeg-turbo {m['libjpeg_turbo']}), "
         f"dlpipe {m['dlpipe']}, webdataset {m['webdataset']}, litdata {m['litdata']}. Load "
-        f"average before / after: {result['load_before']} / {result['load_after']}.",
+        f"average before / after: {result['load_before']} / {result['load_after']}"
+        f"{round_loads(result)}.",
         "",
         f"Corpus (`benchmarks/corpus.py`, seed {c['seed']}): {c['images']:,} photo-like JPEGs "
         f"(quality {c['jpeg_quality']}) in {c['classes']} classes, "
         f"{c['total_bytes'] / 1e6:,.1f} MB, mean {c['mean_bytes'] / 1e3:.1f} KB, "
         f"mean {c['mean_width']:.0f}x{c['mean_height']:.0f} px.",
         "",
-        f"Median of {cfg['repeats']} repeats. Warm page cache (the corpus is read once before "
-        "timing). Outputs go to the same disk and are deleted, untimed, after each run; "
+        f"Median of {cfg['repeats']} rounds (each runs every contender once, in turn). Warm "
+        "page cache (the corpus is read once before timing). Outputs go to the same disk and "
+        "are deleted, untimed, after each run; "
         "`os.sync()` runs, untimed, before each. dlpipe fsyncs every shard; the other "
         "contenders do not. `CPU s` is user + system time of the contender and all its "
         "processes; `x reference` divides the reference's time at the same worker count by "

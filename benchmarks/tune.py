@@ -44,7 +44,7 @@ from common import convert_corpus, generated_line, log, met  # sibling script
 from corpus import DEFAULT_CORPUS, cached_corpus  # siblings
 from machine import machine_info as shared_machine_info
 
-from dlpipe.loading.config import LoaderConfig
+from dlpipe.loading.config import LoaderConfig, WorkerSettings
 from dlpipe.loading.tune import BenchConfig, Trial, bench_loader, run_trial
 
 FORMATS = ("wds", "lmdb", "hdf5")
@@ -60,7 +60,7 @@ SETTINGS = ("engine", "num_workers", "prefetch_factor", "pin_memory")
 
 
 def settings(trial: Trial | dict[str, Any]) -> tuple[str, int, int | None]:
-    d = trial if isinstance(trial, dict) else trial.__dict__
+    d = trial if isinstance(trial, dict) else trial.to_json()
     return d["engine"], d["num_workers"], d["prefetch_factor"]
 
 
@@ -71,7 +71,8 @@ def run_tuner(config: BenchConfig) -> dict[str, Any]:
     assert report.best is not None
     log(
         f"  tuner: {seconds:.1f} s, {len(report.trials)} trials, best "
-        f"workers={report.best.num_workers} prefetch={report.best.prefetch_factor} "
+        f"workers={report.best.settings.num_workers} "
+        f"prefetch={report.best.settings.prefetch_factor} "
         f"{report.best.samples_per_s:.0f} samples/s"
     )
     return {"seconds": seconds, "report": report.to_json(), "advice": report.advice}
@@ -84,8 +85,9 @@ def run_grid(config: BenchConfig, seconds: float) -> dict[str, Any]:
     grid += [("threads", w, p) for w in GRID_WORKERS if w for p in GRID_PREFETCH]
     for engine, workers, prefetch in grid:
         t0 = time.perf_counter()
-        trial = run_trial(config, Trial(workers, prefetch, False, engine=engine), seconds)
-        row = {**trial.__dict__, "trial_s": time.perf_counter() - t0}
+        settings = WorkerSettings(num_workers=workers, prefetch_factor=prefetch, engine=engine)
+        trial = run_trial(config, Trial(settings), seconds)
+        row = {**trial.to_json(), "trial_s": time.perf_counter() - t0}
         trials.append(row)
         log(
             f"  grid {engine} workers={workers} prefetch={prefetch}: "

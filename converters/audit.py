@@ -1,9 +1,11 @@
 """The duplicate and leakage audit: exact and near-duplicate images within and across splits.
 
 Convert already decodes every image once (the integrity check); the audit rides on that
-decode. Each written sample gets two fingerprints:
+decode. Each written sample gets a fingerprint:
 
-- ``sha256`` of the source file's bytes: equal bytes are an **exact** duplicate.
+- the source file's size: files of equal bytes have equal sizes (and equal hashes, below);
+  a group whose files all have one size is read again and compared by ``sha256``: equal
+  bytes are an **exact** duplicate. Only those files are read twice.
 - a 64-bit **difference hash** (dHash, as ``imagehash.dhash`` computes it: the greyscale image
   shrunk to 9 x 8 with Lanczos, one bit per horizontally adjacent pair, set where the right
   pixel is brighter) of the decoded image (a JPEG: the 1/8-scale greyscale draft that the
@@ -27,12 +29,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from dlpipe.converters.source import SampleError
 
 __all__ = [
     "NEAR_BITS",
@@ -66,11 +70,11 @@ def file_digest(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """One written sample's fingerprints."""
+    """One written sample's fingerprints: its image file's size and difference hash."""
 
     split: str
     key: str
-    sha256: str
+    size: int
     dhash: int
 
 
@@ -93,24 +97,52 @@ class DuplicateGroup:
         }
 
 
-def find_duplicates(prints: Iterable[Fingerprint]) -> list[DuplicateGroup]:
-    """Every group of two or more samples linked by equal bytes or near hashes, sorted."""
+def find_duplicates(
+    prints: Iterable[Fingerprint], read: Callable[[Fingerprint], bytes]
+) -> list[DuplicateGroup]:
+    """Every group of two or more samples linked by equal or near hashes, sorted; a group is
+    exact when its files' bytes are equal (equal bytes decode to equal hashes, so copies
+    always share a group).
+
+    Args:
+        prints: the samples' fingerprints.
+        read: a sample's image file, for the groups whose files have one size (they are
+            compared by sha256); a file that cannot be read again leaves its group near.
+    """
     items = sorted(prints, key=lambda p: (p.split, p.key))
     links = _Links(len(items))
-    for field in ("sha256", "dhash"):  # equal bytes, equal hashes
-        first: dict[Any, int] = {}
-        for i, p in enumerate(items):
-            links.join(first.setdefault(getattr(p, field), i), i)
+    first: dict[int, int] = {}
+    for i, p in enumerate(items):  # equal hashes
+        links.join(first.setdefault(p.dhash, i), i)
     hashes = np.array([p.dhash for p in items], dtype=np.uint64)
     unique, where = np.unique(hashes, return_index=True)
     for a, b in _near_pairs(unique):
         links.join(int(where[a]), int(where[b]))
     found = []
     for members in links.groups():
-        exact = len({items[i].sha256 for i in members}) == 1
-        pairs = tuple((items[i].split, items[i].key) for i in members)
-        found.append(DuplicateGroup("exact" if exact else "near", pairs))
+        group = [items[i] for i in members]
+        exact = _same_bytes(group, read)
+        found.append(
+            DuplicateGroup("exact" if exact else "near", tuple((p.split, p.key) for p in group))
+        )
     return sorted(found, key=lambda g: g.members)
+
+
+def _same_bytes(group: Sequence[Fingerprint], read: Callable[[Fingerprint], bytes]) -> bool:
+    """Whether every file of `group` holds the same bytes: sizes first, then the sha256s of
+    the files read again."""
+    if len({p.size for p in group}) > 1:
+        return False
+    digests = set()
+    for p in group:
+        try:
+            digest = file_digest(read(p))
+        except (OSError, SampleError):
+            return False  # changed or gone since it was converted: not known to be a copy
+        digests.add(digest)
+        if len(digests) > 1:
+            return False
+    return True
 
 
 class _Links:
@@ -140,25 +172,36 @@ class _Links:
 _POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
 
 
-def _bits_apart(row: np.uint64, others: np.ndarray) -> np.ndarray:
-    """The Hamming distance of one 64-bit hash to each of `others`."""
-    xor = np.ascontiguousarray(others ^ row)
+def _bits_apart(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """The Hamming distances of two arrays of 64-bit hashes, pair by pair."""
+    xor = np.ascontiguousarray(left ^ right)
     return _POPCOUNT[xor.view(np.uint8)].reshape(-1, 8).sum(axis=1)
 
 
 def _near_pairs(unique: np.ndarray) -> Iterable[tuple[int, int]]:
     """Index pairs of distinct hashes at most `NEAR_BITS` apart: only hashes sharing one of
-    ``NEAR_BITS + 1`` blocks are compared (two hashes that close agree on a whole block)."""
+    ``NEAR_BITS + 1`` blocks are compared (two hashes that close agree on a whole block).
+
+    Per block, the hashes sorted by the block's value put each run of equal values side by
+    side; the pairs `step` places apart in that order are compared at once, for each `step`
+    up to the longest run."""
     bounds = [64 * b // _BLOCKS for b in range(_BLOCKS + 1)]
+    found: set[tuple[int, int]] = set()
     for b in range(_BLOCKS):
         width = bounds[b + 1] - bounds[b]
         keys = (unique >> np.uint64(bounds[b])) & np.uint64((1 << width) - 1)
         order = np.argsort(keys, kind="stable")
-        for run in np.split(order, np.flatnonzero(np.diff(keys[order])) + 1):
-            for a in range(len(run) - 1):
-                rest = run[a + 1 :]
-                close = rest[_bits_apart(unique[run[a]], unique[rest]) <= NEAR_BITS]
-                yield from ((int(run[a]), int(c)) for c in close)
+        ranked = keys[order]
+        step = 1
+        while step < len(order):
+            same = np.flatnonzero(ranked[step:] == ranked[:-step])
+            if not len(same):
+                break  # no run is longer than `step`
+            left, right = order[same], order[same + step]
+            close = _bits_apart(unique[left], unique[right]) <= NEAR_BITS
+            found.update(zip(left[close].tolist(), right[close].tolist(), strict=True))
+            step += 1
+    return sorted((min(a, b), max(a, b)) for a, b in found)
 
 
 def kept_and_dropped(

@@ -4,52 +4,31 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dlpipe import storage
-from dlpipe.cli import Interrupted, shown
-from dlpipe.converters.config import option_specs, parse_size
-from dlpipe.converters.engine import (
-    ERRORS_NAME,
-    ConvertConfig,
-    ConvertResult,
-    convert,
-)
+from dlpipe.converters.engine import ConvertConfig, ConvertResult, convert
 from dlpipe.converters.plan import Plan
 from dlpipe.converters.worker import TaskResult
+from dlpipe.dataset_names import ERRORS_NAME
 from dlpipe.inspection import duplicates_line, format_bytes, source_lines
+from dlpipe.options import add_config_command
+from dlpipe.text import Interrupted, shown
 
-__all__ = ["add_convert_parser", "parse_size", "run_convert"]
+__all__ = ["add_convert_parser", "run_convert"]
 
 
 def add_convert_parser(sub: argparse._SubParsersAction) -> None:
-    """``dlpipe convert``: one argument per `ConvertConfig` option (`option_specs`)."""
-    p = sub.add_parser("convert", help="turn raw data into verified shards with a manifest")
-    for spec in option_specs():
-        if not spec.flag.startswith("-"):
-            p.add_argument(spec.flag, help=spec.help)
-        elif spec.kind == "bool":
-            p.add_argument(spec.flag, dest=spec.name, action="store_true", help=spec.help)
-        else:
-            p.add_argument(
-                spec.flag,
-                dest=spec.name,
-                type=spec.parse,
-                default=None if spec.default is MISSING else spec.default,
-                required=spec.default is MISSING,
-                metavar=spec.metavar,
-                help=spec.help,
-            )
-    p.set_defaults(handler=run_convert)
+    """``dlpipe convert``: one argument per `ConvertConfig` option, and ``--config FILE``."""
+    help = "turn raw data into verified shards with a manifest"
+    add_config_command(sub, "convert", ConvertConfig, run_convert, help=help)
 
 
-def run_convert(args: argparse.Namespace, console: Console) -> int:
-    options = {spec.name: getattr(args, spec.name) for spec in option_specs()}
-    config = ConvertConfig.from_options(**options)
+def run_convert(config: ConvertConfig, console: Console) -> int:
+    """Convert with a progress bar, print the summary."""
     out = config.output()
     console.print(
         f"dlpipe convert {shown(config.raw)} → {shown(out)} "

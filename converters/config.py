@@ -1,289 +1,70 @@
 """`ConvertConfig`: everything ``dlpipe convert`` takes, as nested keyword-only dataclasses.
 
     ConvertConfig(raw, to, out, resume, overwrite)
-      .source   SourceConfig   --source --image-col --label-col --image-root --key-col
+      .source   SourceOptions  --source --image-col --label-col --image-root --key-col
                                --keep-empty-classes --label-from --instance-masks
-      .images   ImageConfig    --max-side --quality
-      .shards   ShardConfig    --shard-size --val-fraction --seed --on-error
+      .images   ImagePolicy    --max-side --quality --seekable-jpeg
+      .shards   ShardConfig    --shard-size --val-fraction --seed --on-error --dedup
       .engine   EngineConfig   --engine --workers --ray-address
 
-Each option is one field, which holds its default, its help line and its rule; the
-``dlpipe convert`` parser is generated from the fields (`option_specs`), and
-``dlpipe.convert(raw, to=..., **options)`` takes the same options by their flat names
+Each option is one field (`dlpipe.options.option`), which holds its default, its help line and
+its rule; the ``dlpipe convert`` parser is generated from the fields, a ``--config`` TOML file
+sets them by the same names (``[images]`` ``quality = 90``, or ``quality = 90`` at the top), and
+``dlpipe.convert(raw, to=..., **options)`` takes them by their flat names
 (`ConvertConfig.from_options`), checked by the same rules, so a bad value gets the same message
-from the CLI and from Python. The flags of the options a printed command repeats are
-`dlpipe.unfinished.CONVERT_OPTION_FLAGS` (the core reads them back from an unfinished
-folder's journal); every other flag is the option's name with dashes.
+from the CLI, the file and Python. The source and image groups are the classes the sources and
+the shard workers read (`SourceOptions`, `ImagePolicy`). The flags of the options a printed
+command repeats are `dlpipe.unfinished.CONVERT_OPTION_FLAGS` (the core reads them back from an
+unfinished folder's journal); every other flag is the option's name with dashes.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
-import re
 import shlex
-from collections.abc import Callable, Iterator
-from dataclasses import MISSING, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from dlpipe import storage
-from dlpipe.cli import int_in_range, non_negative_int, positive_int
-from dlpipe.converters.filenames import label_rule
-from dlpipe.converters.sources import SOURCE_KINDS
-from dlpipe.errors import DlpipeError
+from dlpipe import options, storage
+from dlpipe.converters.images import ImagePolicy
+from dlpipe.converters.source import ConvertOptionError, SourceOptions
+from dlpipe.dataset_names import DUPLICATES_NAME, ERRORS_NAME
 from dlpipe.formats import FORMATS
-from dlpipe.formats.writer import DUPLICATES_NAME, ERRORS_NAME
 from dlpipe.machine import usable_cpus, worker_limit
-from dlpipe.turbojpeg import region_library
+from dlpipe.options import (
+    Checked,
+    OptionError,
+    OptionSpec,
+    fraction,
+    non_negative_int,
+    option,
+    parse_size,
+    positive_int,
+)
 from dlpipe.unfinished import CONVERT_OPTION_FLAGS
 
 __all__ = [
+    "RUN_OPTIONS",
     "ConvertConfig",
     "ConvertOptionError",
     "EngineConfig",
-    "ImageConfig",
-    "OptionSpec",
+    "ImagePolicy",
     "ShardConfig",
-    "SourceConfig",
+    "SourceOptions",
     "default_out",
     "option_specs",
-    "parse_size",
 ]
 
-
-class ConvertOptionError(DlpipeError, ValueError):
-    """A conversion option is unknown, of the wrong type, or breaks its rule."""
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9}
-_UNITS |= {"gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """``"256MB"`` → 256000000; ``"64MiB"``, ``"1.5GB"``, ``"500000"`` (bytes) also work."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; write bytes with an optional unit, e.g. 256MB or 64MiB"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
+RUN_OPTIONS = ("out", "resume", "overwrite", "engine", "workers", "ray_address")
+"""Options about one run, not about the dataset it makes: left out of the resolved config
+``dlpipe convert`` writes beside the shards (``convert.toml``, `CONVERT_CONFIG_NAME`), so every
+run that makes the same dataset (on Ray or locally, with any worker count, resumed or not)
+writes the same file, and ``--config`` with it makes that dataset again wherever ``--out``
+says."""
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction between 0 and 1") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
-    return value
-
-
-def _label_rule(text: str) -> str:
-    try:
-        label_rule(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(
-                f"invalid choice: {text!r} (choose from {', '.join(choices)})"
-            )
-        return text
-
-    return parse
-
-
-def option(
-    help: str,
-    *,
-    default: Any = MISSING,
-    default_factory: Any = MISSING,
-    parse: Callable[[str], Any] | None = None,
-    choices: tuple[str, ...] | None = None,
-    name: str | None = None,
-    flag: str | None = None,
-    metavar: str | None = None,
-) -> Any:
-    """A config field that is also a ``dlpipe convert`` option (see `OptionSpec`)."""
-    if choices is not None:
-        parse, metavar = _one_of(choices), metavar or "{" + ",".join(choices) + "}"
-    facts = {"help": help, "parse": parse, "choices": choices, "name": name, "flag": flag}
-    facts["metavar"] = metavar
-    return field(default=default, default_factory=default_factory, metadata=facts)
-
-
-@dataclass(frozen=True)
-class OptionSpec:
-    """One option: flat `name` (``dlpipe.convert``'s keyword), where it lives, its CLI face."""
-
-    name: str
-    group: str | None  # the ConvertConfig field holding it; None: ConvertConfig itself
-    attr: str
-    flag: str  # "--quality"; a name without dashes is positional
-    kind: str  # "bool", "int", "float" or "str"
-    optional: bool  # None is allowed
-    default: Any  # MISSING: required
-    help: str
-    parse: Callable[[str], Any] | None
-    choices: tuple[str, ...] | None
-    metavar: str | None
-
-    @property
-    def repeated(self) -> bool:
-        """Printed commands (``--resume``, ``--overwrite``) repeat this option."""
-        return self.name in CONVERT_OPTION_FLAGS
-
-    def check(self, value: Any) -> Any:
-        """`value` when it is of this option's type and keeps its rule.
-
-        Raises:
-            ConvertOptionError: naming the flag, the value and the rule.
-        """
-        if value is None and self.optional:
-            return None
-        types: dict[str, tuple[type, ...]] = {"bool": (bool,), "int": (int,), "str": (str,)}
-        wanted = types.get(self.kind, (int, float))
-        if not isinstance(value, wanted) or (self.kind != "bool" and isinstance(value, bool)):
-            raise ConvertOptionError(
-                f"argument {self.flag}: {value!r} is a {type(value).__name__}; give "
-                f"{'an' if self.kind == 'int' else 'a'} {self.kind}"
-                + (" or None" if self.optional else "")
-            )
-        if self.parse is not None:
-            try:
-                self.parse(str(value))
-            except argparse.ArgumentTypeError as exc:
-                raise ConvertOptionError(f"argument {self.flag}: {exc}") from None
-        return value
-
-
-def _specs_of(cls: type, group: str | None) -> Iterator[OptionSpec]:
-    for spec in dataclasses.fields(cls):
-        if "help" not in spec.metadata:
-            continue
-        facts = spec.metadata
-        name = facts["name"] or spec.name
-        kinds = str(spec.type).replace(" ", "").split("|")
-        default = spec.default
-        if spec.default_factory is not MISSING:
-            default = spec.default_factory()
-        yield OptionSpec(
-            name=name,
-            group=group,
-            attr=spec.name,
-            flag=facts["flag"] or CONVERT_OPTION_FLAGS.get(name) or "--" + name.replace("_", "-"),
-            kind=next(k for k in kinds if k != "None"),
-            optional="None" in kinds,
-            default=default,
-            help=facts["help"],
-            parse=facts["parse"],
-            choices=facts["choices"],
-            metavar=facts["metavar"],
-        )
-
-
-class _Checked:
-    """A config whose `__post_init__` checks every option field by its rule."""
-
-    def __post_init__(self) -> None:
-        for spec in _specs_of(type(self), None):
-            spec.check(getattr(self, spec.attr))
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourceConfig(_Checked):
-    """How to read the raw data."""
-
-    kind: str = option(
-        "raw layout (default: detected)",
-        default="auto",
-        choices=("auto", *SOURCE_KINDS),
-        name="source",
-    )
-    image_col: str | None = option("table column holding image paths or bytes", default=None)
-    label_col: str | None = option(
-        "table column holding labels (names or integers); none: the table has no labels",
-        default=None,
-    )
-    image_root: str | None = option(
-        "folder a table's image paths are looked up in after the table's own folder "
-        "(default: the one sub-folder beside the table that holds them)",
-        default=None,
-        metavar="DIR",
-    )
-    key_col: str | None = option(
-        "the table column whose values become sample keys (default: a __key__, key or id "
-        "column, else keys from the image paths or row numbers)",
-        default=None,
-    )
-    keep_empty_classes: bool = option(
-        "keep class folders without images as classes with no samples (else refused)",
-        default=False,
-    )
-    label_from: str | None = option(
-        "labels from image file names (the filenames source): name-prefix, the name before "
-        "its trailing number (cat.0.jpg: cat; great_pyrenees_173.jpg: great_pyrenees), or a "
-        "regular expression searched in each file name whose one group, or group named label, "
-        "is the label",
-        default=None,
-        parse=_label_rule,
-        metavar="name-prefix|REGEX",
-    )
-    instance_masks: bool = option(
-        "COCO's polygon and RLE segmentations as masks.json: one COCO RLE mask per object of "
-        "boxes.json (the coco source; off: counted as unused)",
-        default=False,
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.label_from is not None and self.kind not in ("auto", "filenames"):
-            raise ConvertOptionError(
-                f"--label-from takes labels from image file names, which only --source "
-                f"filenames reads, not --source {self.kind}; drop one of the two"
-            )
-        if self.instance_masks and self.kind not in ("auto", "coco"):
-            raise ConvertOptionError(
-                f"--instance-masks converts COCO's segmentations, which only --source coco "
-                f"reads, not --source {self.kind}; drop one of the two"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ImageConfig(_Checked):
-    """What happens to each image on the way into a shard."""
-
-    max_side: int | None = option(
-        "re-encode images whose longer side exceeds N (at least 8)",
-        default=None,
-        parse=int_in_range(8),
-        metavar="N",
-    )
-    quality: int = option(
-        "JPEG/WebP quality when re-encoding (1..100)", default=95, parse=int_in_range(1, 100)
-    )
-    seekable_jpeg: bool = option(
-        "rewrite JPEGs losslessly with a restart marker per MCU, so that train crops "
-        "entropy-decode only their box (the same pixels; files about 3 %% bigger; needs "
-        "pip install 'dlpipe[jpeg-region]')",
-        default=False,
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.seekable_jpeg and region_library() is None:
-            raise ConvertOptionError(
-                "--seekable-jpeg needs libjpeg-turbo 3's TurboJPEG library, not found here: "
-                "pip install 'dlpipe[jpeg-region]' (or a system libturbojpeg 3), or drop "
-                "--seekable-jpeg"
-            )
+class _Checked(Checked):
+    option_error: ClassVar[type[OptionError]] = ConvertOptionError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,12 +76,13 @@ class ShardConfig(_Checked):
         "1 MiB to 256 MiB each)",
         default=None,
         parse=parse_size,
+        flag="--shard-size",
         metavar="SIZE",
     )
     val_fraction: float | None = option(
         "move this fraction of each class to a val split (when there is none)",
         default=None,
-        parse=_fraction,
+        parse=fraction,
     )
     seed: int = option("seeds the shuffle and the val split", default=0, parse=non_negative_int)
     on_error: str = option(
@@ -347,14 +129,6 @@ class EngineConfig(_Checked):
                 )
 
 
-_GROUPS: dict[str, type] = {
-    "source": SourceConfig,
-    "images": ImageConfig,
-    "shards": ShardConfig,
-    "engine": EngineConfig,
-}
-
-
 @dataclass(frozen=True, kw_only=True)
 class ConvertConfig(_Checked):
     """Everything ``dlpipe convert`` takes; see the module docstring and docs/converting.md."""
@@ -372,8 +146,8 @@ class ConvertConfig(_Checked):
     )
     resume: bool = option("finish an interrupted conversion", default=False)
     overwrite: bool = option("replace the dataset in --out", default=False)
-    source: SourceConfig = field(default_factory=SourceConfig)
-    images: ImageConfig = field(default_factory=ImageConfig)
+    source: SourceOptions = field(default_factory=SourceOptions)
+    images: ImagePolicy = field(default_factory=ImagePolicy)
     shards: ShardConfig = field(default_factory=ShardConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -383,31 +157,29 @@ class ConvertConfig(_Checked):
             raise ConvertOptionError("--resume and --overwrite contradict each other; choose one")
 
     @classmethod
-    def from_options(cls, raw: str | os.PathLike[str], to: str, **options: Any) -> ConvertConfig:
+    def from_options(cls, raw: str | os.PathLike[str], to: str, **values: Any) -> ConvertConfig:
         """A config from flat option names, as ``dlpipe.convert`` and the CLI take them.
 
         Raises:
             ConvertOptionError: an unknown option, or a value of the wrong type or out of range.
         """
-        specs = {s.name: s for s in option_specs()}
-        unknown = sorted(set(options) - set(specs))
+        names = [s.name for s in option_specs()]
+        unknown = sorted(set(values) - set(names))
         if unknown:
-            known = ", ".join(n for n in specs if n not in ("raw", "to"))
+            known = ", ".join(n for n in names if n not in ("raw", "to"))
             raise ConvertOptionError(
                 f"{unknown[0]!r} is not a conversion option; the options are {known}"
             )
-        groups: dict[str, dict[str, Any]] = {g: {} for g in _GROUPS}
-        top: dict[str, Any] = {"raw": os.fspath(raw), "to": to}
-        for name, value in options.items():
-            spec = specs[name]
-            (top if spec.group is None else groups[spec.group])[spec.attr] = value
-        made = {g: _GROUPS[g](**values) for g, values in groups.items()}
-        return cls(**top, **made)
+        try:
+            return options.build_config(cls, {**values, "raw": os.fspath(raw), "to": to})
+        except ConvertOptionError:
+            raise
+        except OptionError as exc:
+            raise ConvertOptionError(str(exc)) from None
 
     def value_of(self, name: str) -> Any:
         """The value of the option with flat name `name` (e.g. ``"quality"``)."""
-        spec = next(s for s in option_specs() if s.name == name)
-        return getattr(self if spec.group is None else getattr(self, spec.group), spec.attr)
+        return dict((s.name, v) for s, v in options.iter_options(self))[name]
 
     def output(self) -> str:
         """``--out``, or `default_out` when it is not given."""
@@ -425,9 +197,8 @@ class ConvertConfig(_Checked):
     def option_args(self) -> list[str]:
         """The flags (and values) of every repeated option that differs from its default."""
         args: list[str] = []
-        for spec in option_specs():
-            value = self.value_of(spec.name)
-            if spec.repeated and value != spec.default:
+        for spec, value in options.iter_options(self):
+            if spec.name in CONVERT_OPTION_FLAGS and value != spec.default:
                 args += [spec.flag] if isinstance(value, bool) else [spec.flag, str(value)]
         return args
 
@@ -440,7 +211,7 @@ class ConvertConfig(_Checked):
             "shard_bytes": self.shards.shard_bytes,
             "max_side": self.images.max_side,
             "quality": self.images.quality,
-            "seekable_jpeg": self.images.seekable_jpeg,
+            "seekable_jpeg": self.images.seekable,
             "val_fraction": self.shards.val_fraction,
             "seed": self.shards.seed,
             "on_error": self.shards.on_error,
@@ -451,10 +222,7 @@ class ConvertConfig(_Checked):
 
 def option_specs() -> list[OptionSpec]:
     """Every option, top-level ones first, then group by group (the CLI's order)."""
-    specs = list(_specs_of(ConvertConfig, None))
-    for group, cls in _GROUPS.items():
-        specs += _specs_of(cls, group)
-    return specs
+    return options.option_specs(ConvertConfig)
 
 
 def default_out(raw: str, fmt: str) -> str:

@@ -1,11 +1,14 @@
 """`convert`: raw data → a verified, prepared dataset, in parallel, resumable.
 
-Scan the source → plan the shards (deterministic) → lock the output (``.dlpipe-lock``, one
-writer per folder) and check it and the disk → run the shard tasks on an engine, journalling
-each finished shard → write ``errors.jsonl`` and ``keys.jsonl`` and then the manifest, last →
-remove the journal. A crash at any point leaves no manifest, and ``--resume`` re-runs only the
-shards the journal does not hold. ``--overwrite`` deletes only what dlpipe can prove it wrote
-(see `dlpipe.formats.writer.prepare_output`); an output inside the raw folder is refused.
+Scan the source → plan the shards (deterministic) → check the output and the disk → run the
+shard tasks on an engine → hand each finished shard to the output folder's owner
+(`dlpipe.formats.output.DatasetOutput`), which holds the lock (``.dlpipe-lock``, one writer per
+folder), journals each shard, writes ``errors.jsonl``, ``keys.jsonl`` and ``duplicates.jsonl``
+and then the manifest, last, and removes the journal. The engine plans and schedules; the owner
+writes everything but the shards. A crash at any point leaves no manifest, and ``--resume``
+re-runs only the shards the journal does not hold. ``--overwrite`` deletes only what dlpipe can
+prove it wrote (see `dlpipe.formats.owned.prepare_output`); an output inside the raw folder is
+refused.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dlpipe import storage
-from dlpipe.codecs import field_type
 from dlpipe.converters.archive_view import unpacked_view
 from dlpipe.converters.audit import (
     DuplicateGroup,
@@ -28,36 +30,37 @@ from dlpipe.converters.audit import (
     kept_and_dropped,
 )
 from dlpipe.converters.config import (
+    RUN_OPTIONS,
     ConvertConfig,
     ConvertOptionError,
     default_out,
     option_specs,
 )
 from dlpipe.converters.executors import WorkerDiedError, run_local, run_ray
-from dlpipe.converters.images import ImagePolicy
-from dlpipe.converters.journal import Journal, ResumeError
+from dlpipe.converters.journal import (
+    ResumeError,
+    check_plan,
+    plan_record,
+    result_of,
+    result_record,
+)
 from dlpipe.converters.plan import Plan, make_plan
-from dlpipe.converters.source import Scan, SourceError, SourceOptions, display_path
+from dlpipe.converters.source import Scan, SourceError, display_path
 from dlpipe.converters.sources import open_source, why_detected
 from dlpipe.converters.worker import (
     OutputFullError,
     TaskResult,
     WorkerConfig,
     audit_task,
+    image_reader,
     is_disk_full,
 )
+from dlpipe.dataset_names import CONVERT_CONFIG_NAME, DUPLICATES_NAME, KEYS_NAME, MANIFEST_NAME
 from dlpipe.errors import DlpipeError, OutputExistsError
 from dlpipe.formats import FORMATS, get_format, require_storage
-from dlpipe.formats.writer import (
-    DUPLICATES_NAME,
-    ERRORS_NAME,
-    KEYS_NAME,
-    class_counts,
-    dataset_entries,
-    prepare_output,
-    remove_staging,
-)
-from dlpipe.manifest import MANIFEST_NAME, Manifest, SplitInfo, read_manifest, write_manifest
+from dlpipe.formats.output import DatasetOutput
+from dlpipe.manifest import Manifest
+from dlpipe.options import config_toml
 from dlpipe.storage import DiskSpaceError
 
 __all__ = [
@@ -124,15 +127,6 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     require_storage(fmt, out)
     check_out_outside_raw(config)
     wanted = config.source
-    options = SourceOptions(
-        image_col=wanted.image_col,
-        label_col=wanted.label_col,
-        image_root=wanted.image_root,
-        key_col=wanted.key_col,
-        keep_empty_classes=wanted.keep_empty_classes,
-        label_from=wanted.label_from,
-        instance_masks=wanted.instance_masks,
-    )
     view = unpacked_view(config.raw)
     if view is not None and config.engine.kind == "ray":
         raise SourceError(
@@ -140,18 +134,12 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
             "(Ray's workers on other nodes cannot see this machine's view of them); unpack "
             "them on the cluster's shared disk and convert that folder, or drop --engine ray"
         )
-    source = open_source(view.root if view is not None else config.raw, wanted.kind, options)
+    source = open_source(view.root if view is not None else config.raw, wanted.kind, wanted)
     scan = source.scan()
     if not scan.items:
         raise SourceError(f"{config.raw}: the {source.kind} source holds no samples")
     scan = _with_classes(scan)
-    images = config.images
-    image = ImagePolicy(
-        field=image_field_for(scan),
-        max_side=images.max_side,
-        quality=images.quality,
-        seekable=images.seekable_jpeg,
-    )
+    image = replace(config.images, field=image_field_for(scan))
     recorded = config.output_options(image.field, source.kind)
 
     def planned(items: Scan) -> Plan:
@@ -220,7 +208,7 @@ def _duplicates(
     else:
         results = run_local(source, plan.tasks, worker, engine.workers, job=audit_task)
     prints = [Fingerprint(r.split, *f) for r in results for f in r.fingerprints]
-    return tuple(find_duplicates(prints))
+    return tuple(find_duplicates(prints, read=image_reader(source, plan.tasks)))
 
 
 def _without(scan: Scan, plan: Plan, dropped: set[tuple[str, str]]) -> Scan:
@@ -294,7 +282,8 @@ def convert(
 
     Raises:
         ConvertOptionError: an unknown option or a bad value, with the message the CLI prints.
-        SourceError, SampleError (``on_error="fail"``), OutputExistsError, ResumeError,
+        SourceError, SampleError (``on_error="fail"``), EmptySplitError (a split lost every
+        sample), OutputExistsError, ResumeError,
         DiskSpaceError, UnsupportedStorageError, OutputInsideRawError, OutputLockedError
         (another writer holds `out`), OutputFullError (the disk filled up while writing),
         WorkerDiedError: each with the fix in its message.
@@ -303,10 +292,10 @@ def convert(
     start = time.perf_counter()
     planned = plan_conversion(config)
     resume = config.command("--resume")
-    created = storage.new_output_paths(planned.worker.out)  # removed if left unused (a refusal)
+    fmt = get_format(planned.worker.format)
     try:
-        with storage.output_lock(planned.worker.out):
-            return _run(config, planned, start, on_start, on_progress)
+        with DatasetOutput(planned.worker.out, fmt) as output:
+            return _run(config, planned, output, start, on_start, on_progress)
     except WorkerDiedError as exc:
         raise WorkerDiedError(f"{exc}; finish the conversion with `{resume}`") from None
     except OSError as exc:
@@ -317,8 +306,6 @@ def convert(
             f"shards are kept: free space there, then finish with `{resume}` (or choose "
             "another --out on a bigger disk)"
         ) from None
-    finally:
-        storage.remove_left_empty(created)
 
 
 def _config_of(
@@ -361,21 +348,21 @@ def _full_reason(exc: OSError, out: str) -> str:
 def _run(
     config: ConvertConfig,
     planned: PlannedConversion,
+    output: DatasetOutput,
     start: float,
     on_start: Callable[[Plan], None] | None,
     on_progress: Progress | None,
 ) -> ConvertResult:
     plan, worker = planned.plan, planned.worker
-    out, journal = worker.out, Journal(worker.out)
-    done = _prepare(out, journal, plan, config)
+    done = _prepare(output, plan, config)
     pending = [t for t in plan.tasks if t.name not in done]
     estimated = sum(it.size for t in pending for it in t.items)
-    if config.images.seekable_jpeg:  # restart markers and the standard Huffman tables
-        estimated = estimated * 5 // 4  # (about 3 %; up to 25 % for progressive JPEGs)
-    check_disk(out, estimated)
+    if config.images.seekable:  # restart markers and the standard Huffman tables
+        estimated = estimated * 5 // 4  # (about 6 %; 15 % for progressive JPEGs, measured)
+    check_disk(output.out, estimated)
     if not done:
         raw = config.raw if storage.is_url(config.raw) else os.path.abspath(config.raw)
-        journal.start(plan, raw=raw, args=config.option_args())
+        output.start_journal(plan_record(plan, raw=raw, args=config.option_args()))
     if on_start is not None:
         on_start(plan)
     engine = config.engine
@@ -384,17 +371,15 @@ def _run(
     else:
         results = run_local(planned.source, pending, worker, engine.workers)
     for result in results:
-        journal.record(result)
+        output.add(result, record=result_record(result))
         done[result.name] = result
         if on_progress is not None:
             on_progress(result)
     ordered = [done[t.name] for t in plan.tasks]
     skipped = [s for r in ordered for s in r.skipped]
-    manifest = _finish(planned, ordered, skipped)
-    journal.remove()
     return ConvertResult(
-        out=out,
-        manifest=manifest,
+        out=output.out,
+        manifest=_finish(planned, output, ordered, skipped, config_toml(config, omit=RUN_OPTIONS)),
         seconds=time.perf_counter() - start,
         samples_in=sum(len(t.items) for t in plan.tasks),
         skipped=skipped,
@@ -404,16 +389,14 @@ def _run(
     )
 
 
-def _prepare(
-    out: str, journal: Journal, plan: Plan, config: ConvertConfig
-) -> dict[str, TaskResult]:
-    """Make `out` ready; returns the shards an interrupted run already finished (``--resume``)."""
-    names = dataset_entries(out)
+def _prepare(output: DatasetOutput, plan: Plan, config: ConvertConfig) -> dict[str, TaskResult]:
+    """Make the output ready; returns the shards an interrupted run already finished
+    (``--resume``)."""
+    out, names = output.out, output.entries()
     overwrite = config.command("--overwrite")
-    if config.resume and journal.exists():
-        journal.check_plan(plan, overwrite)
-        remove_staging(out)
-        return {n: r for n, r in journal.finished().items() if _shard_intact(out, r)}
+    if config.resume and output.journal_exists():
+        check_plan(output.journal_plan(), plan, out, overwrite)
+        return output.resume(result_of)
     if config.resume and MANIFEST_NAME in names:
         raise ResumeError(
             f"{out} is already a complete dataset; nothing to resume (to convert again, run "
@@ -429,17 +412,8 @@ def _prepare(
         raise ResumeError(
             f"{out} holds files but no journal to resume from; start again with `{overwrite}`"
         )
-    prepare_output(out, overwrite=True, planned=[t.name for t in plan.tasks])
+    output.prepare(overwrite=True, planned=[t.name for t in plan.tasks])
     return {}
-
-
-def _shard_intact(out: str, result: TaskResult) -> bool:
-    if result.info is None:
-        return True
-    try:
-        return storage.size(storage.join(out, result.info.name)) == result.info.bytes
-    except FileNotFoundError:
-        return False
 
 
 def check_disk(out: str, estimated_bytes: int) -> None:
@@ -448,71 +422,50 @@ def check_disk(out: str, estimated_bytes: int) -> None:
 
 
 def _finish(
-    planned: PlannedConversion, ordered: list[TaskResult], skipped: list[dict[str, Any]]
+    planned: PlannedConversion,
+    output: DatasetOutput,
+    ordered: list[TaskResult],
+    skipped: list[dict[str, Any]],
+    config_text: str,
 ) -> Manifest:
-    """``errors.jsonl`` (when samples were skipped), ``keys.jsonl`` (when keys were shortened),
-    then the manifest, last."""
-    plan, out = planned.plan, planned.worker.out
-    if skipped:
-        storage.atomic_write_jsonl(storage.join(out, ERRORS_NAME), skipped)
-    splits: dict[str, SplitInfo] = {}
-    for split in plan.splits():
-        results = [r for r in ordered if r.split == split]
-        shards = tuple(r.info for r in results if r.info is not None)
-        if not shards:
-            raise SourceError(
-                f"every sample of split {split!r} was skipped, so no dataset was written; the "
-                f"reasons are listed in {storage.join(out, ERRORS_NAME)}"
-            )
-        labels = [label for r in results for label in r.labels]
-        splits[split] = SplitInfo(
-            shards=shards,
-            class_counts=class_counts(split, labels, len(plan.classes)),
-            fields=_fields(results),
-        )
-    fields = max((info.fields or {} for info in splits.values()), key=len)  # labelled: cls
-    splits = {
-        n: replace(i, fields=i.fields if i.fields != fields else None) for n, i in splits.items()
-    }
-    duplicates = _audit(planned, ordered, out)
+    """The duplicate audit, the shortened keys and the resolved config (`config_text`),
+    handed with the shards' order and the dataset's description to the output's owner, which
+    writes them and the manifest, last."""
+    plan, scan = planned.plan, planned.scan
+    duplicates, report = _audit(planned, ordered)
     shortened = _shortened_keys(plan, skipped)
-    if shortened:
-        storage.atomic_write_jsonl(storage.join(out, KEYS_NAME), shortened)
-    fmt = get_format(planned.worker.format)
-    manifest = Manifest(
-        format=fmt.name,
-        format_version=fmt.version,
-        fields=fields,
-        splits=splits,
+    return output.finish(
+        [t.name for t in plan.tasks],
         classes=plan.classes,
         options=planned.options,
         source={
             **planned.description,
             "skipped": len(skipped),
             "shortened_keys": len(shortened),
-            "duplicates": duplicates,
+            "duplicates": report,
         },
-        task=planned.scan.task,
-        field_schemas={n: s for n, s in planned.scan.field_schemas.items() if n in fields},
-        class_ids=planned.scan.class_ids,
+        task=scan.task,
+        field_schemas=scan.field_schemas,
+        class_ids=scan.class_ids,
+        lists={DUPLICATES_NAME: duplicates, KEYS_NAME: shortened},
+        files={CONVERT_CONFIG_NAME: config_text.encode("utf-8")},
     )
-    write_manifest(out, manifest)
-    return read_manifest(out)
 
 
-def _audit(planned: PlannedConversion, ordered: list[TaskResult], out: str) -> dict[str, Any]:
-    """The duplicate audit (`dlpipe.converters.audit`): ``duplicates.jsonl`` when any were
-    found (each group, and with ``--dedup`` the copies left out), and the manifest's report."""
+def _audit(
+    planned: PlannedConversion, ordered: list[TaskResult]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The duplicate audit (`dlpipe.converters.audit`): the records of ``duplicates.jsonl``
+    (each group, and with ``--dedup`` the copy kept) and the manifest's report."""
     prints = [Fingerprint(r.split, *f) for r in ordered for f in r.fingerprints]
-    groups = list(planned.dedup_groups) or find_duplicates(prints)
+    read = image_reader(planned.source, planned.plan.tasks)
+    groups = list(planned.dedup_groups) or find_duplicates(prints, read=read)
     kept, dropped = kept_and_dropped(groups) if planned.dedup_groups else ([], [])
-    if groups:
-        records = [g.to_json() for g in groups]
-        for record, keep in zip(records, kept, strict=False):  # kept: with --dedup only
-            record["kept"] = {"split": keep[0], "key": keep[1]}
-        storage.atomic_write_jsonl(storage.join(out, DUPLICATES_NAME), records)
+    records = [g.to_json() for g in groups]
+    for record, keep in zip(records, kept, strict=False):  # kept: with --dedup only
+        record["kept"] = {"split": keep[0], "key": keep[1]}
     audited = len(prints) + len(dropped)
-    return audit_report(groups, dropped=len(dropped), audited=audited)
+    return records, audit_report(groups, dropped=len(dropped), audited=audited)
 
 
 def _shortened_keys(plan: Plan, skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -525,9 +478,3 @@ def _shortened_keys(plan: Plan, skipped: list[dict[str, Any]]) -> list[dict[str,
         if it.original is not None and it.key not in dropped
     ]
     return sorted(records, key=lambda r: (r["key"], r["split"]))
-
-
-def _fields(results: list[TaskResult]) -> dict[str, str]:
-    """Field name → type, as the workers wrote them."""
-    names = next(r.fields for r in results if r.info is not None)
-    return {name: field_type(name) for name in names}

@@ -15,15 +15,17 @@ Reasons are stable text (no memory addresses), so ``errors.jsonl`` is the same r
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 from PIL import Image
 
 from dlpipe.codecs import ImageTooLargeError, max_image_pixels, open_image, stable_message
 from dlpipe.converters.audit import dhash
-from dlpipe.converters.source import SampleError
+from dlpipe.converters.source import ConvertOptionError, SampleError
 from dlpipe.jpeg_seek import add_restart_markers
+from dlpipe.options import Checked, OptionError, int_in_range, option
+from dlpipe.turbojpeg import region_library
 
 __all__ = ["ImagePolicy", "PreparedImage", "image_dhash", "prepare_image"]
 
@@ -33,22 +35,42 @@ _JPEG_MODES = frozenset({"RGB", "L", "CMYK"})
 
 
 @dataclass(frozen=True, kw_only=True)
-class ImagePolicy:
-    """How images are stored: the dataset's image field, an optional size cap, the quality,
-    whether JPEGs get a restart marker per MCU (`dlpipe.jpeg_seek`)."""
+class ImagePolicy(Checked):
+    """What happens to each image on the way into a shard (``dlpipe convert``'s image options):
+    an optional size cap, the quality, whether JPEGs get a restart marker per MCU
+    (`dlpipe.jpeg_seek`); and the dataset's image field, which the conversion sets from the
+    scan (no option)."""
+
+    option_error: ClassVar[type[OptionError]] = ConvertOptionError
 
     field: str = "jpg"
-    max_side: int | None = None
-    quality: int = 95
-    seekable: bool = False
+    max_side: int | None = option(
+        "re-encode images whose longer side exceeds N (at least 8)",
+        default=None,
+        parse=int_in_range(8),
+        metavar="N",
+    )
+    quality: int = option(
+        "JPEG/WebP quality when re-encoding (1..100)", default=95, parse=int_in_range(1, 100)
+    )
+    seekable: bool = option(
+        "rewrite JPEGs losslessly with a restart marker per MCU, so that train crops "
+        "entropy-decode only their box (the same pixels; files about 3 %% bigger; needs "
+        "pip install 'dlpipe[jpeg-region]')",
+        default=False,
+        name="seekable_jpeg",
+    )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.field not in _PIL_FORMAT:
             raise ValueError(f"image field {self.field!r} must be one of {sorted(_PIL_FORMAT)}")
-        if self.max_side is not None and self.max_side < 8:
-            raise ValueError(f"--max-side {self.max_side} is too small (at least 8 pixels)")
-        if not 1 <= self.quality <= 100:
-            raise ValueError(f"--quality {self.quality} must be in 1..100")
+        if self.seekable and region_library() is None:
+            raise ConvertOptionError(
+                "--seekable-jpeg needs libjpeg-turbo 3's TurboJPEG library, not found here: "
+                "pip install 'dlpipe[jpeg-region]' (or a system libturbojpeg 3), or drop "
+                "--seekable-jpeg"
+            )
 
 
 @dataclass(frozen=True)
@@ -68,23 +90,19 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> PreparedImag
     """Check one encoded image and return it as it is to be stored.
 
     Raises:
-        SampleError: the bytes are empty, truncated or not an image Pillow can decode.
+        SampleError: the bytes are empty, truncated, over the pixel limit or not an image
+            Pillow can decode.
     """
     if not data:
         raise SampleError(f"{origin}: empty file (0 bytes), not an image")
-    limit = max_image_pixels()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = open_image(data, limit)  # the pixel limit first, from the header
-            kind = _KINDS.get(image.format or "", "other")
-            too_big = policy.max_side is not None and max(image.size) > policy.max_side
-            if kind == policy.field and not too_big:
-                size = image.size  # before the draft, which shrinks it
-                _draft(image)
-                image.load()
-                return PreparedImage(_seekable(data, policy), False, size, size, dhash(image))
-            image.load()
+        image = open_image(data, max_image_pixels())  # the pixel limit first, from the headers
+        kept = _KINDS.get(image.format or "") == policy.field
+        if kept and (policy.max_side is None or max(image.size) <= policy.max_side):
+            size = image.size  # before the draft, which shrinks it
+            fingerprint = _draft_dhash(image)
+            return PreparedImage(_seekable(data, policy), False, size, size, fingerprint)
+        image.load()
     except ImageTooLargeError as exc:
         raise SampleError(f"{origin}: {exc}") from None
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...
@@ -95,13 +113,15 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> PreparedImag
     return PreparedImage(stored, True, image.size, resized.size, fingerprint)
 
 
-def _draft(image: Image.Image) -> None:
-    """Let a JPEG decode at 1/8 scale, and a colour one to grey (what the difference hash
-    reads): every coefficient is still entropy-decoded (the integrity check), and the chroma
-    planes' inverse DCT and colour conversion are skipped (about 6 % of the decode)."""
+def _draft_dhash(image: Image.Image) -> int:
+    """Decode a lazily opened image as the integrity check does (a JPEG at 1/8 scale, a
+    colour one to grey: every coefficient is still entropy-decoded, and the chroma planes'
+    inverse DCT and colour conversion are skipped) and return its difference hash."""
     if image.format == "JPEG":
         mode = "L" if image.mode in ("RGB", "L") else image.mode
         image.draft(mode, (max(1, image.width // 8), max(1, image.height // 8)))
+    image.load()
+    return dhash(image)
 
 
 def image_dhash(data: bytes) -> int:
@@ -112,10 +132,7 @@ def image_dhash(data: bytes) -> int:
         SampleError: the image cannot be decoded, or is over the pixel limit.
     """
     try:
-        image = open_image(data, max_image_pixels())
-        _draft(image)
-        image.load()
-        return dhash(image)
+        return _draft_dhash(open_image(data, max_image_pixels()))
     except ImageTooLargeError as exc:
         raise SampleError(str(exc)) from None
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError, ...

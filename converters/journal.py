@@ -1,11 +1,13 @@
-"""The conversion journal: one small record per finished shard, so ``--resume`` can finish.
+"""What a conversion keeps in its journal, so ``--resume`` can finish it.
 
-Kept in ``<out>/.dlpipe-journal/`` as separate objects (``plan.json``, one ``<shard>.json``
-per finished shard and one ``<shard>.intent`` per shard about to be published), each written
-atomically, so it works the same on a local disk and on object storage, where files cannot
-be appended to. ``plan.json`` records the plan's fingerprint and what went into it (options,
-classes, sample count), so a refused ``--resume`` can say what changed. The journal is
-removed once the manifest is written.
+The journal (``<out>/.dlpipe-journal/``) is the output folder owner's
+(`dlpipe.formats.output.DatasetOutput`): a plan record, an intent before each shard is
+published and a record of each finished shard, each a separate object written atomically, so it
+works the same on a local disk and on object storage, where files cannot be appended to. This
+module says what a conversion's records hold: the plan's fingerprint and what went into it
+(options, classes, sample count, raw folder, format and option flags), so a refused ``--resume``
+can say what changed and a reader of the unfinished folder can print the resume command; and
+each finished shard's `TaskResult`.
 """
 
 from __future__ import annotations
@@ -14,16 +16,13 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from dlpipe import storage
 from dlpipe.converters.plan import OPTION_FLAGS, Plan
 from dlpipe.converters.worker import TaskResult
 from dlpipe.errors import DlpipeError
-from dlpipe.formats.writer import JOURNAL_DIR, remove_journal
 from dlpipe.manifest import ShardInfo
 
-__all__ = ["JOURNAL_DIR", "Journal", "ResumeError"]
+__all__ = ["ResumeError", "check_plan", "plan_record", "result_of", "result_record"]
 
-_PLAN_NAME = "plan.json"
 _FLAGS = {**OPTION_FLAGS, "format": "--to", "image_field": "the image type"}
 
 
@@ -31,70 +30,38 @@ class ResumeError(DlpipeError, ValueError):
     """``--resume`` cannot continue this output (no journal, or a different plan)."""
 
 
-class Journal:
-    """The journal of the conversion into `out`."""
+def plan_record(plan: Plan, raw: str, args: list[str]) -> dict[str, Any]:
+    """The record of the plan a conversion follows, its raw folder, format and option flags
+    `args` (from which a reader of the unfinished folder prints the resume command)."""
+    return {**_plan_record(plan), "raw": raw, "format": plan.options.get("format"), "args": args}
 
-    def __init__(self, out: str) -> None:
-        self.out = out
-        self.folder = storage.join(out, JOURNAL_DIR)
 
-    def exists(self) -> bool:
-        return storage.exists(storage.join(self.folder, _PLAN_NAME))
+def check_plan(recorded: dict[str, Any], plan: Plan, out: str, overwrite_command: str) -> None:
+    """Refuse to resume with a plan other than the interrupted run's (`recorded`), naming what
+    changed.
 
-    def start(self, plan: Plan, raw: str, args: list[str]) -> None:
-        """Record the plan this conversion follows, and its raw folder, format and option
-        flags `args` (from which a reader of the unfinished folder prints the resume command).
-        """
-        storage.makedirs(self.folder)
-        record = {
-            **_plan_record(plan),
-            "raw": raw,
-            "format": plan.options.get("format"),
-            "args": args,
-        }
-        data = json.dumps(record, sort_keys=True, default=str).encode()
-        storage.atomic_write_bytes(storage.join(self.folder, _PLAN_NAME), data)
+    Raises:
+        ResumeError: the fingerprints differ (the message lists the changed options and
+            classes, and gives `overwrite_command` to start again).
+    """
+    if recorded.get("fingerprint") == plan.fingerprint:
+        return
+    raise ResumeError(
+        f"{out}: the input or the options differ from the interrupted run's "
+        f"({_changes(recorded, plan)}), so its shards cannot be reused; run the same "
+        f"command as before with --resume, or start again with `{overwrite_command}`"
+    )
 
-    def check_plan(self, plan: Plan, overwrite_command: str) -> None:
-        """Refuse to resume with a plan other than the interrupted run's, naming what changed.
 
-        Raises:
-            ResumeError: the fingerprints differ (the message lists the changed options and
-                classes, and gives `overwrite_command` to start again).
-        """
-        try:
-            recorded = json.loads(storage.read_bytes(storage.join(self.folder, _PLAN_NAME)))
-        except (OSError, ValueError, RecursionError):
-            recorded = {}
-        if not isinstance(recorded, dict):
-            recorded = {}
-        if recorded.get("fingerprint") == plan.fingerprint:
-            return
-        raise ResumeError(
-            f"{self.out}: the input or the options differ from the interrupted run's "
-            f"({_changes(recorded, plan)}), so its shards cannot be reused; run the same "
-            f"command as before with --resume, or start again with `{overwrite_command}`"
-        )
+def result_record(result: TaskResult) -> dict[str, Any]:
+    """A finished shard's journal record (`result_of` reads it back)."""
+    return asdict(result)
 
-    def record(self, result: TaskResult) -> None:
-        data = asdict(result)
-        path = storage.join(self.folder, f"{result.name}.json")
-        # not fsynced: a record lost in a power cut only means that shard is written again
-        storage.atomic_write_bytes(path, json.dumps(data, sort_keys=True).encode(), durable=False)
 
-    def finished(self) -> dict[str, TaskResult]:
-        """Results of the shards finished so far, by shard name."""
-        results = {}
-        for name in storage.listdir(self.folder):
-            if name == _PLAN_NAME or not name.endswith(".json"):
-                continue
-            data = json.loads(storage.read_bytes(storage.join(self.folder, name)))
-            info = ShardInfo(**data["info"]) if data["info"] else None
-            results[data["name"]] = TaskResult(**{**data, "info": info})
-        return results
-
-    def remove(self) -> None:
-        remove_journal(self.out)
+def result_of(record: dict[str, Any]) -> TaskResult:
+    """The `TaskResult` a journal record holds."""
+    info = ShardInfo(**record["info"]) if record["info"] else None
+    return TaskResult(**{**record, "info": info})
 
 
 def _plan_record(plan: Plan) -> dict[str, Any]:

@@ -37,6 +37,7 @@ open files lazily.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import functools
 import logging
@@ -48,7 +49,9 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from dlpipe import storage
+from dlpipe.converters.source_kinds import SOURCE_KINDS
 from dlpipe.errors import DlpipeError
+from dlpipe.options import Checked, OptionError, option
 
 if TYPE_CHECKING:
     from dlpipe.converters.raw_tree import Listings
@@ -58,6 +61,7 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "SPLIT_NAMES",
     "SPLIT_WORDS",
+    "ConvertOptionError",
     "Item",
     "SampleError",
     "Scan",
@@ -174,27 +178,81 @@ class Scan:
     class_ids: tuple[int | str, ...] | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class SourceOptions:
-    """Options a user may give about the raw layout."""
+class ConvertOptionError(OptionError):
+    """A conversion option is unknown, of the wrong type, or breaks its rule."""
 
-    image_col: str | None = None
-    label_col: str | None = None
-    """A table's label column; ``"none"`` (any case): the table has none (no ``cls``)."""
-    image_root: str | None = None
-    """The folder a table's image paths are looked up in after the table's own folder."""
-    key_col: str | None = None
-    """A table's column whose values are the sample keys (escaped and, when too long,
-    shortened by the key rule; duplicates are refused); default: ``__key__``, ``key`` or
-    ``id`` when there is one."""
-    keep_empty_classes: bool = False
-    """Keep class folders that hold no image as classes with no samples (else refused)."""
-    label_from: str | None = None
-    """Labels from image file names (the ``filenames`` source): ``name-prefix`` or a regular
-    expression with one group or a group named ``label`` (see `dlpipe.converters.filenames`)."""
-    instance_masks: bool = False
-    """COCO's polygons and RLE segmentations as ``masks.json`` (the ``coco`` source; see
-    `dlpipe.converters.coco_masks`)."""
+
+def _label_rule(text: str) -> str:
+    from dlpipe.converters.filenames import label_rule  # a source module: imports this one
+
+    try:
+        label_rule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceOptions(Checked):
+    """How to read the raw data: its layout, and what a user says about it (``dlpipe
+    convert``'s source options; each layout reads the fields in its `Source.options_read`)."""
+
+    option_error: ClassVar[type[OptionError]] = ConvertOptionError
+
+    kind: str = option(
+        "raw layout (default: detected)",
+        default="auto",
+        choices=("auto", *SOURCE_KINDS),
+        name="source",
+    )
+    image_col: str | None = option("table column holding image paths or bytes", default=None)
+    label_col: str | None = option(
+        "table column holding labels (names or integers); none: the table has no labels",
+        default=None,
+    )
+    image_root: str | None = option(
+        "folder a table's image paths are looked up in after the table's own folder "
+        "(default: the one sub-folder beside the table that holds them)",
+        default=None,
+        metavar="DIR",
+    )
+    key_col: str | None = option(
+        "the table column whose values become sample keys (escaped and, when too long, "
+        "shortened by the key rule; duplicates are refused; default: a __key__, key or id "
+        "column, else keys from the image paths or row numbers)",
+        default=None,
+    )
+    keep_empty_classes: bool = option(
+        "keep class folders without images as classes with no samples (else refused)",
+        default=False,
+    )
+    label_from: str | None = option(
+        "labels from image file names (the filenames source): name-prefix, the name before "
+        "its trailing number (cat.0.jpg: cat; great_pyrenees_173.jpg: great_pyrenees), or a "
+        "regular expression searched in each file name whose one group, or group named label, "
+        "is the label",
+        default=None,
+        parse=_label_rule,
+        metavar="name-prefix|REGEX",
+    )
+    instance_masks: bool = option(
+        "COCO's polygon and RLE segmentations as masks.json: one COCO RLE mask per object of "
+        "boxes.json (the coco source; off: counted as unused)",
+        default=False,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.label_from is not None and self.kind not in ("auto", "filenames"):
+            raise ConvertOptionError(
+                f"--label-from takes labels from image file names, which only --source "
+                f"filenames reads, not --source {self.kind}; drop one of the two"
+            )
+        if self.instance_masks and self.kind not in ("auto", "coco"):
+            raise ConvertOptionError(
+                f"--instance-masks converts COCO's segmentations, which only --source coco "
+                f"reads, not --source {self.kind}; drop one of the two"
+            )
 
 
 class Source(ABC):
@@ -256,7 +314,7 @@ def display_path(path: str) -> str:
     Other characters stay as they are, control characters too: the result is data as well as
     message text (class names, the manifest's source account, ``keys.jsonl`` and
     ``errors.jsonl`` keep the real names). A terminal never sees them raw: the CLI escapes
-    every line it prints (`dlpipe.cli.printable`: ``\\x1b``, ``\\u202e``, ...).
+    every line it prints (`dlpipe.text.printable`: ``\\x1b``, ``\\u202e``, ...).
     """
     path = _view_path_shown(path)
     try:

@@ -18,32 +18,9 @@ from dlpipe.converters.source import (
     is_ignored_name,
     log,
 )
+from dlpipe.converters.source_kinds import SOURCE_KINDS
 
 __all__ = ["SOURCE_KINDS", "open_source", "refuse_unread_options", "why_detected"]
-
-# kind -> "module:Class"; the most specific layouts first, the loosest (class folders) last
-SOURCE_KINDS = {
-    "cifar": "dlpipe.converters.cifar:CifarSource",
-    "mnist": "dlpipe.converters.mnist:MnistSource",
-    "webdataset": "dlpipe.converters.wds_source:WebDatasetSource",
-    "food101": "dlpipe.converters.splitlist_datasets:Food101Source",
-    "cub200": "dlpipe.converters.splitlist_datasets:Cub200Source",
-    "oxford-pets": "dlpipe.converters.oxford_pets:OxfordPetsSource",
-    "flowers102": "dlpipe.converters.splitlist_mat:Flowers102Source",
-    "stanford-cars": "dlpipe.converters.splitlist_mat:StanfordCarsSource",
-    "voc": "dlpipe.converters.voc:VocSource",
-    "voc-seg": "dlpipe.converters.voc:VocSegmentationSource",
-    "yolo": "dlpipe.converters.yolo:YoloSource",
-    "coco": "dlpipe.converters.coco:CocoSource",
-    "hf": "dlpipe.converters.hf_folder:HfFolderSource",
-    "table": "dlpipe.converters.table:TableSource",
-    "filenames": "dlpipe.converters.filenames:FilenamesSource",
-    "splitlist": "dlpipe.converters.splitlist:SplitListSource",
-    "files": "dlpipe.converters.files:FilesSource",
-    "imagenet": "dlpipe.converters.imagenet:ImageNetSource",
-    "imagefolder": "dlpipe.converters.imagefolder:ImageFolderSource",
-}
-
 
 # a layout that is a special case of another: matching both is no ambiguity
 _SPECIAL_CASE_OF = {
@@ -203,7 +180,7 @@ def refuse_unread_options(cls: type[Source], root: str, options: SourceOptions |
     given = [
         f.name
         for f in dataclasses.fields(options)
-        if getattr(options, f.name) != f.default and f.name not in cls.options_read
+        if getattr(options, f.name) != f.default and f.name not in {*cls.options_read, "kind"}
     ]
     if given:
         name = given[0]

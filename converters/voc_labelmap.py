@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from dlpipe.annotations import voc_colour
 from dlpipe.converters.source import (
     SampleError,
     SourceError,
@@ -46,16 +47,6 @@ _CHANNEL = re.compile(r"\d{1,3}")
 _BACKGROUND = "background"
 
 Colour = tuple[int, int, int]
-
-
-def voc_colour(index: int) -> Colour:
-    """VOC's colour of palette index `index` (``VOClabelcolormap.m``: bits interleaved)."""
-    rgb = [0, 0, 0]
-    for bit in range(7, -1, -1):
-        for channel in range(3):
-            rgb[channel] |= ((index >> channel) & 1) << bit
-        index >>= 3
-    return rgb[0], rgb[1], rgb[2]
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dlpipe.annotations import AnnotationError, fit_annotations
 from dlpipe.codecs import stable_message
-from dlpipe.converters.audit import file_digest
-from dlpipe.converters.images import ImagePolicy, image_dhash, prepare_image
+from dlpipe.converters.audit import Fingerprint
+from dlpipe.converters.images import ImagePolicy, PreparedImage, image_dhash, prepare_image
 from dlpipe.converters.plan import ShardTask
-from dlpipe.converters.source import SampleError, Source
+from dlpipe.converters.source import Item, SampleError, Source
 from dlpipe.errors import DlpipeError
 from dlpipe.formats import get_format, write_shard
 from dlpipe.formats.writer import record_shard_intent
@@ -30,6 +30,7 @@ __all__ = [
     "TaskResult",
     "WorkerConfig",
     "audit_task",
+    "image_reader",
     "is_disk_full",
     "write_task",
 ]
@@ -79,9 +80,10 @@ class TaskResult:
     reencoded: int = 0
     payload_bytes: int = 0
     fields: list[str] = field(default_factory=list)
-    fingerprints: list[tuple[str, str, int]] = field(default_factory=list)
-    """(key, sha256 of the image file, dhash of the image) of each written sample, for the
-    duplicate audit (`dlpipe.converters.audit`)."""
+    fingerprints: list[tuple[Any, ...]] = field(default_factory=list)
+    """(key, size of the image file, dhash of the image) of each written sample: a
+    `dlpipe.converters.audit.Fingerprint` less its split, for the duplicate audit (which reads
+    again, through `image_reader`, only the files of a group that could be exact copies)."""
 
 
 def write_task(source: Source, task: ShardTask, config: WorkerConfig) -> TaskResult:
@@ -117,10 +119,26 @@ def audit_task(source: Source, task: ShardTask, config: WorkerConfig) -> TaskRes
         try:
             data = source.load(item).get("image")
             if data is not None:
-                result.fingerprints.append((item.key, file_digest(data), image_dhash(data)))
+                result.fingerprints.append(_fingerprint(item.key, data, image_dhash(data)))
         except SampleError:
             continue
     return result
+
+
+def image_reader(source: Source, tasks: Sequence[ShardTask]) -> Callable[[Fingerprint], bytes]:
+    """What the duplicate audit reads a candidate's image file with (`find_duplicates`'s
+    `read`): the bytes `source` gives for the planned item of that split and key, read with
+    the same checks as the shard tasks' reads.
+
+    Raises (when called):
+        SampleError: the file cannot be read any more.
+    """
+    items = {(task.split, item.key): item for task in tasks for item in task.items}
+    return lambda fingerprint: source.load(items[fingerprint.split, fingerprint.key])["image"]
+
+
+def _fingerprint(key: str, data: bytes, dhash: int) -> tuple[Any, ...]:
+    return key, len(data), dhash
 
 
 class _EmptyShard(Exception):
@@ -133,7 +151,7 @@ def _samples(
     produced = 0
     for item in task.items:
         try:
-            sample = _sample(source.load(item), item.key, item.origin, config, result)
+            sample = _sample(source.load(item), item, config, result)
         except SampleError as exc:
             if config.on_error == "fail":
                 raise SampleError(f"{exc} (use --on-error skip to skip such samples)") from exc
@@ -152,23 +170,30 @@ def _samples(
 
 
 def _sample(
-    fields: dict[str, bytes], key: str, origin: str, config: WorkerConfig, result: TaskResult
+    fields: dict[str, bytes], item: Item, config: WorkerConfig, result: TaskResult
 ) -> Sample:
     """The stored sample: the image checked (and re-encoded when asked), its annotations
     checked against it and following a resize."""
-    sample: Sample = {"__key__": key}
-    if "image" in fields:
-        image = prepare_image(fields["image"], config.image, origin)
+    sample: Sample = {"__key__": item.key}
+    data = fields.get("image")
+    if data is not None:
+        image = prepare_image(data, config.image, item.origin)
         result.reencoded += image.reencoded
-        fingerprint = (key, file_digest(fields["image"]), image.dhash)
-        try:
-            fields = fit_annotations(fields, image.size_in, image.size_out, config.num_classes)
-        except AnnotationError as exc:
-            raise SampleError(f"{origin}: {exc}") from None
+        if len(fields) > 1:  # annotations
+            fields = _fitted(fields, image, item.origin, config)
         fields = {config.image.field if n == "image" else n: v for n, v in fields.items()}
         fields[config.image.field] = image.data
-        result.fingerprints.append(fingerprint)  # a sample that is written
-    for name, data in fields.items():
-        sample[name] = data
-        result.payload_bytes += len(data)
+        result.fingerprints.append(_fingerprint(item.key, data, image.dhash))
+    for name, value in fields.items():
+        sample[name] = value
+        result.payload_bytes += len(value)
     return sample
+
+
+def _fitted(
+    fields: dict[str, bytes], image: PreparedImage, origin: str, config: WorkerConfig
+) -> dict[str, bytes]:
+    try:
+        return fit_annotations(fields, image.size_in, image.size_out, config.num_classes)
+    except AnnotationError as exc:
+        raise SampleError(f"{origin}: {exc}") from None

@@ -3,6 +3,8 @@
 The public API is re-exported here; see the README for a tour.
 """
 
+from typing import TYPE_CHECKING
+
 from dlpipe._version import __version__
 from dlpipe.codecs import (
     ImageTooLargeError,
@@ -27,16 +29,6 @@ from dlpipe.errors import (
     UnsafeMemberError,
     UnsupportedStorageError,
 )
-from dlpipe.formats import (
-    FORMATS,
-    SampleCountError,
-    ShardDiskFullError,
-    UnsafeShardError,
-    get_format,
-    write_shard,
-)
-from dlpipe.formats.writer import DatasetWriter, ShardLimits
-from dlpipe.inspection import describe_dataset
 from dlpipe.loading.profile import (
     LoaderProfile,
     ProfileError,
@@ -46,11 +38,37 @@ from dlpipe.loading.profile import (
 )
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
 from dlpipe.sample import Sample, check_key, escape_key, make_key, unescape_key
-from dlpipe.verify import CheckerError, Problem, VerifyReport, verify_dataset
 
-# these import torch or the converters: only on first use, so the CLI and converters start
-# fast and the core imports neither the loading room nor the converters
+if TYPE_CHECKING:  # the core's lazy names below, typed as when they were imported here
+    from dlpipe.formats import (
+        FORMATS,
+        SampleCountError,
+        ShardDiskFullError,
+        UnsafeShardError,
+        get_format,
+        write_shard,
+    )
+    from dlpipe.formats.writer import DatasetWriter, ShardLimits
+    from dlpipe.inspection import describe_dataset
+    from dlpipe.verify import CheckerError, Problem, VerifyReport, verify_dataset
+
+# these import torch, the converters or the shard formats (lmdb, h5py): only on first use, so
+# the CLI and converters start fast, the core imports neither the loading room nor the
+# converters, and reading a manifest imports no format
 _LAZY = {
+    "FORMATS": "dlpipe.formats",
+    "SampleCountError": "dlpipe.formats",
+    "ShardDiskFullError": "dlpipe.formats",
+    "UnsafeShardError": "dlpipe.formats",
+    "get_format": "dlpipe.formats",
+    "write_shard": "dlpipe.formats",
+    "DatasetWriter": "dlpipe.formats.writer",
+    "ShardLimits": "dlpipe.formats.writer",
+    "describe_dataset": "dlpipe.inspection",
+    "CheckerError": "dlpipe.verify",
+    "Problem": "dlpipe.verify",
+    "VerifyReport": "dlpipe.verify",
+    "verify_dataset": "dlpipe.verify",
     "ConvertConfig": "dlpipe.converters.config",
     "convert": "dlpipe.converters.engine",
     "DatasetChangedError": "dlpipe.loading.dataset",

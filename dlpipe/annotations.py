@@ -70,6 +70,7 @@ __all__ = [
     "mask_schema",
     "read_boxes",
     "read_masks",
+    "voc_colour",
 ]
 
 BOXES_FIELD = "boxes.json"
@@ -417,3 +418,15 @@ def check_field_schemas(schema: Any, fields: Mapping[str, str]) -> dict[str, dic
         if not isinstance(entry, dict) or entry.get("kind") not in _KINDS:
             raise ValueError(f"field_schemas.{name} is not an object whose kind is one of {_KINDS}")
     return dict(schema)
+
+
+def voc_colour(index: int) -> tuple[int, int, int]:
+    """Pascal VOC's palette colour of label `index` (``VOClabelcolormap.m``: the index's bits
+    interleaved over R, G and B from the top bit down): the colour a VOC label map and
+    ``labelmap.txt`` give each class."""
+    rgb = [0, 0, 0]
+    for bit in range(7, -1, -1):
+        for channel in range(3):
+            rgb[channel] |= ((index >> channel) & 1) << bit
+        index >>= 3
+    return rgb[0], rgb[1], rgb[2]

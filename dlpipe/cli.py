@@ -20,71 +20,20 @@ import contextlib
 import json
 import logging
 import sys
-import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NoReturn
 
 from rich.console import Console, ConsoleOptions, RenderableType
-from rich.markup import escape
 from rich.segment import Segment
 
 from dlpipe._version import __version__
 from dlpipe.errors import DlpipeError
+from dlpipe.text import Interrupted, printable, shown
 
-__all__ = [
-    "ArgumentParser",
-    "Interrupted",
-    "TerminalConsole",
-    "int_in_range",
-    "main",
-    "non_negative_int",
-    "positive_float",
-    "positive_int",
-    "printable",
-    "shown",
-]
+__all__ = ["ArgumentParser", "TerminalConsole", "main"]
 
 Handler = Callable[[argparse.Namespace, Console], int]
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
-
-
-_JOINERS = frozenset("\u200c\u200d")  # format characters that emoji and scripts need
-
-
-def _is_control(char: str) -> bool:
-    """C0/C1 controls and DEL (Cc), lone surrogates (Cs), line and paragraph separators and
-    invisible format characters such as the bidi overrides (Cf, but the joiners)."""
-    kind = unicodedata.category(char)
-    return kind in ("Cc", "Cs", "Zl", "Zp") or (kind == "Cf" and char not in _JOINERS)
-
-
-_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escaped(char: str) -> str:
-    if char in _SHORT:
-        return _SHORT[char]
-    code = ord(char)
-    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape): as display_path
-        return f"\\x{code - 0xDC00:02x}"
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
-
-
-def printable(text: str, *, keep: str = "") -> str:
-    """`text` with every terminal control character escaped as Python writes it (``\\x1b``,
-    ``\\x9b``, ``\\u202e``; a byte that was not UTF-8 as ``\\xNN``), for printing names that
-    came from a user or a dataset. Characters in `keep` (``"\\n"`` for a block of lines) stay;
-    backslashes are not escaped, so text escaped once prints the same escaped again."""
-    if text.isprintable():
-        return text
-    return "".join(_escaped(c) if c not in keep and _is_control(c) else c for c in text)
-
-
-def shown(value: object) -> str:
-    """User or dataset text for a rich markup string: `printable`, and never read as markup."""
-    return escape(printable(str(value)))
 
 
 class TerminalConsole(Console):
@@ -102,10 +51,6 @@ class TerminalConsole(Console):
                 yield Segment(printable(segment.text, keep="\n"), segment.style)
 
 
-class Interrupted(KeyboardInterrupt):
-    """A Ctrl-C a handler caught to say how to finish the work (``args[0]`` is the line)."""
-
-
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a bad command line reported as one ``error:`` line (exit 2).
 
@@ -116,90 +61,6 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(printable(f"error: {message}; see {self.prog} --help"), file=sys.stderr)
         raise SystemExit(2)
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    return int_in_range(1)(text)
-
-
-def non_negative_int(text: str) -> int:
-    """An argparse type: an integer of at least 0."""
-    return int_in_range(0)(text)
-
-
-def int_in_range(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type for an integer in ``low..high`` (no upper bound when `high` is None)."""
-    rule = f"an integer of at least {low}" if high is None else f"an integer in {low}..{high}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
-        if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"{value} is not {rule}")
-        return value
-
-    return parse
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not a number above 0")
-    return value
-
-
-def _demo(args: argparse.Namespace, console: Console) -> int:
-    from dlpipe.demo import DemoConfig, default_demo_dir, run_demo
-
-    config = DemoConfig(
-        out=args.out or default_demo_dir(),
-        per_class=args.per_class,
-        seed=args.seed,
-        epochs=args.epochs,
-        model=args.model,
-    )
-    return run_demo(config, console)
-
-
-def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
-    from dlpipe.demo import DEMO_TIME, DemoConfig
-
-    defaults = DemoConfig(out="")
-    demo = sub.add_parser(
-        "demo",
-        help=f"run dlpipe end to end on the embedded shapes dataset (about {DEMO_TIME} "
-        "on 2 CPU cores)",
-    )
-    demo.add_argument(
-        "--out", help="folder for the demo (default: $DLPIPE_DATA_DIR/dlpipe-demo or ./dlpipe-demo)"
-    )
-    demo.add_argument(
-        "--per-class",
-        type=positive_int,
-        default=defaults.per_class,
-        help=f"images per class (8 classes; default {defaults.per_class})",
-    )
-    demo.add_argument("--seed", type=int, default=defaults.seed)
-    demo.add_argument(
-        "--epochs",
-        type=non_negative_int,
-        default=defaults.epochs,
-        help=f"training epochs ({defaults.epochs}; 0 converts and verifies only)",
-    )
-    demo.add_argument(
-        "--model",
-        default=defaults.model,
-        help="model to train: a torchvision name or package.module:function "
-        f"(default {defaults.model})",
-    )
-    demo.set_defaults(handler=_demo)
 
 
 def _doctor(args: argparse.Namespace, console: Console) -> int:
@@ -249,7 +110,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dlpipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    _add_demo_parser(sub)
+    from dlpipe.demo import add_demo_parser
+
+    add_demo_parser(sub)
 
     doctor = sub.add_parser("doctor", help="check the machine: GPUs, drivers, memory, disks")
     doctor.add_argument(

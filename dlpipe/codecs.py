@@ -260,6 +260,11 @@ def check_image_pixels(data: bytes, limit: int | None = None) -> tuple[int, int]
     """
     limit = max_image_pixels() if limit is None else limit
     size = image_size(data) or _pillow_size(data, limit)
+    _check_pixels(size, limit)
+    return size
+
+
+def _check_pixels(size: tuple[int, int], limit: int) -> None:
     width, height = size
     if width * height > limit:
         raise ImageTooLargeError(
@@ -267,7 +272,6 @@ def check_image_pixels(data: bytes, limit: int | None = None) -> tuple[int, int]
             f"of {limit:,} (a decompression-bomb guard); if you trust this data, raise it with "
             f"{MAX_PIXELS_ENV}={width * height} or dlpipe.codecs.set_max_image_pixels()"
         )
-    return size
 
 
 def _pillow_size(data: bytes, limit: int) -> tuple[int, int]:
@@ -293,7 +297,8 @@ def _pillow_allows(limit: int) -> None:
 
 
 def open_image(data: bytes, limit: int | None = None) -> Any:
-    """A lazily opened ``PIL.Image.Image`` of `data`, after `check_image_pixels`.
+    """A lazily opened ``PIL.Image.Image`` of `data`, after `check_image_pixels`; the size
+    Pillow reads is held to the limit too (a file whose headers disagree is refused by both).
 
     Raises:
         ImageTooLargeError, FieldDecodeError: as `check_image_pixels`.
@@ -303,7 +308,11 @@ def open_image(data: bytes, limit: int | None = None) -> Any:
     limit = max_image_pixels() if limit is None else limit
     check_image_pixels(data, limit)
     _pillow_allows(limit)
-    return Image.open(io.BytesIO(data))
+    image = Image.open(io.BytesIO(data))
+    if image.width * image.height > limit:
+        image.close()
+        _check_pixels(image.size, limit)
+    return image
 
 
 # " <_io.BytesIO object at 0x7f...>" names only our buffer; any other " at 0x..." is an address

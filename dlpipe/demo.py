@@ -14,11 +14,12 @@ It takes about a minute on 2 CPU cores (about half of it training) and reaches a
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -29,12 +30,30 @@ from dlpipe.errors import OutputExistsError
 from dlpipe.formats import FORMATS
 from dlpipe.inspection import describe_dataset, format_bytes
 from dlpipe.machine import usable_cpus
+from dlpipe.options import (
+    Checked,
+    add_config_command,
+    non_negative_int,
+    option,
+    positive_float,
+    positive_int,
+    write_config_file,
+)
 from dlpipe.synthetic import SHAPE_CLASSES, split_samples, write_imagefolder
 from dlpipe.verify import verify_dataset
 
-__all__ = ["DEMO_TIME", "DemoConfig", "default_demo_dir", "run_demo", "shapes_cnn"]
+__all__ = [
+    "CONFIG_NAME",
+    "DEMO_TIME",
+    "DemoConfig",
+    "add_demo_parser",
+    "default_demo_dir",
+    "run_demo",
+    "shapes_cnn",
+]
 
 _MARKER = ".dlpipe-demo"
+CONFIG_NAME = "demo.toml"  # the resolved config, in the demo folder (``--config`` reads it)
 TRAIN_FORMAT = "lmdb"  # the one the demo tunes and trains on; every format would do
 DEMO_TIME = "1 minute"  # the whole default demo on 2 CPU cores (benchmarks/demo.py: 49 s)
 # the shapes fill a third of the image: crops keep at least half of it (tuned and trained so)
@@ -42,21 +61,36 @@ MIN_CROP_SCALE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
-class DemoConfig:
-    """What ``dlpipe demo`` runs. The defaults are the measured recipe: 8 epochs of `shapes_cnn`
-    at 40 px, AdamW at 5e-3, give about 95 % val top-1 (seeds 0 and 1) in about
-    `DEMO_TIME` on 2 CPU cores."""
+class DemoConfig(Checked):
+    """What ``dlpipe demo`` runs (its flags, ``--config`` keys and the resolved `CONFIG_NAME`).
+    The defaults are the measured recipe: 8 epochs of `shapes_cnn` at 40 px, AdamW at 5e-3,
+    give about 95 % val top-1 (seeds 0 and 1) in about `DEMO_TIME` on 2 CPU cores."""
 
-    out: str
-    per_class: int = 400
-    seed: int = 0
-    workers: int = field(default_factory=usable_cpus)
-    epochs: int = 8  # 0: convert and verify only
-    model: str = "dlpipe.demo:shapes_cnn"
-    image_size: int = 40
-    batch_size: int = 64
-    lr: float = 5e-3
-    tune_budget_s: float = 6.0
+    out: str = option(
+        "folder for the demo (default: $DLPIPE_DATA_DIR/dlpipe-demo or ./dlpipe-demo)",
+        default="",
+        metavar="DIR",
+    )
+    per_class: int = option("images per class (8 classes)", default=400, parse=positive_int)
+    seed: int = option("seeds the images, the split and the training", default=0)
+    workers: int = option(
+        "conversion worker processes (default: every usable core)",
+        default_factory=usable_cpus,
+        parse=positive_int,
+    )
+    epochs: int = option(
+        "training epochs (0 converts and verifies only)", default=8, parse=non_negative_int
+    )
+    model: str = option(
+        "model to train: a torchvision name or package.module:function",
+        default="dlpipe.demo:shapes_cnn",
+    )
+    image_size: int = option("the side of the training crops", default=40, parse=positive_int)
+    batch_size: int = option("samples per training step", default=64, parse=positive_int)
+    lr: float = option("the learning rate (AdamW)", default=5e-3, parse=positive_float)
+    tune_budget_s: float = option(
+        "seconds for the loader search", default=6.0, parse=positive_float
+    )
 
 
 def shapes_cnn(num_classes: int) -> Any:
@@ -98,9 +132,12 @@ def _prepare(out: str) -> None:
 
 
 def run_demo(config: DemoConfig, console: Console) -> int:
-    """Run the demo; returns the process exit code (0 when every step succeeded)."""
+    """Run the demo (in `default_demo_dir` when ``config.out`` is empty) and write its resolved
+    config there as `CONFIG_NAME`; returns the process exit code (0 when every step succeeded)."""
+    config = dataclasses.replace(config, out=config.out or default_demo_dir())
     out = config.out
     _prepare(out)
+    write_config_file(os.path.join(out, CONFIG_NAME), config)
     console.print(
         f"dlpipe demo → {escape(os.path.abspath(out))} (about {DEMO_TIME} on 2 CPU "
         "cores with the defaults; --epochs 0 converts and verifies only)"
@@ -185,9 +222,9 @@ def _tune(config: DemoConfig, data: str, console: Console) -> Any:
     best = report.best
     assert best is not None
     console.print(
-        f"3/4 tuned the loader (dlpipe bench-loader): {best.engine} "
-        f"num_workers={best.num_workers} "
-        f"prefetch_factor={best.prefetch_factor} pin_memory={best.pin_memory}, "
+        f"3/4 tuned the loader (dlpipe bench-loader): {best.settings.engine} "
+        f"num_workers={best.settings.num_workers} "
+        f"prefetch_factor={best.settings.prefetch_factor} pin_memory={best.settings.pin_memory}, "
         f"{best.samples_per_s:.0f} samples/s; saved to {escape(str(saved))}"
     )
     return report
@@ -237,8 +274,9 @@ def _summary(data: str, tuned: Any, trained: Any) -> str:
     accuracy = f"{100 * top1:.1f}%" if top1 is not None else "-"
     lines = [
         "dlpipe demo: summary",
-        f"  loader:           {best.engine}, num_workers={best.num_workers}, prefetch_factor="
-        f"{best.prefetch_factor}, pin_memory={best.pin_memory}: {best.samples_per_s:.0f} "
+        f"  loader:           {best.settings.engine}, num_workers={best.settings.num_workers}, "
+        f"prefetch_factor={best.settings.prefetch_factor}, pin_memory="
+        f"{best.settings.pin_memory}: {best.samples_per_s:.0f} "
         "samples/s",
         f"  verdict:          {tuned.advice}",
         f"  val top-1:        {accuracy} after {trained.epochs_done} epochs",
@@ -249,3 +287,15 @@ def _summary(data: str, tuned: Any, trained: Any) -> str:
         f"  next:             dlpipe train {data} --model resnet18, or convert your own data",
     ]
     return "\n".join(lines)
+
+
+def add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    """``dlpipe demo``: one argument per `DemoConfig` option, and ``--config FILE``."""
+    add_config_command(
+        sub,
+        "demo",
+        DemoConfig,
+        run_demo,
+        help=f"run dlpipe end to end on the embedded shapes dataset (about {DEMO_TIME} "
+        "on 2 CPU cores)",
+    )

@@ -7,9 +7,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dlpipe.cli import shown
 from dlpipe.formats.writer import DUPLICATES_NAME
 from dlpipe.manifest import read_manifest
+from dlpipe.text import shown
 
 __all__ = [
     "describe_dataset",
@@ -115,7 +115,7 @@ def _count(counts: Any, label: int) -> str:
 
 def _text(value: Any) -> str:
     """Dataset text (paths, names) as literal text: never rich markup, no control character
-    (`dlpipe.cli.shown`; the manifest keeps the names as they are)."""
+    (`dlpipe.text.shown`; the manifest keeps the names as they are)."""
     return shown(value)
 
 

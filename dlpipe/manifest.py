@@ -43,6 +43,7 @@ from typing import Any
 from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.annotations import TASKS, check_field_schemas
+from dlpipe.dataset_names import MANIFEST_NAME, PROFILES_NAME, SHARD_SUFFIXES, check_format
 from dlpipe.errors import ManifestError, ManifestNotFoundError
 from dlpipe.sample import check_field_name
 from dlpipe.unfinished import missing_message
@@ -64,8 +65,6 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST_NAME = "dlpipe.json"
-PROFILES_NAME = "dlpipe-profiles.json"  # loader settings bench-loader measured on this data
 SCHEMA_NAME = "dlpipe.manifest"
 SCHEMA_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20  # a manifest of 10,000 shards is about 2 MB
@@ -175,11 +174,27 @@ class Manifest:
         return data
 
 
-def write_manifest(folder: str, manifest: Manifest) -> None:
-    """Write ``dlpipe.json`` into `folder` atomically (temp name, fsync, rename)."""
+def write_manifest(folder: str, manifest: Manifest) -> Manifest:
+    """Write ``dlpipe.json`` into `folder` atomically (temp name, fsync, rename).
+
+    The bytes are first parsed as `read_manifest` parses them, so nothing a reader would refuse
+    is written, and what a reader will get is returned; the file is never read back.
+
+    Raises:
+        ManifestError: `manifest` breaks the schema (nothing is written then).
+    """
+    path = storage.join(folder, MANIFEST_NAME)
+    data = (json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n").encode("utf-8")
+    try:
+        written = parse_manifest(data, path)
+    except ManifestError as exc:
+        raise ManifestError(
+            f"{str(exc).removesuffix(_READER_FIX)}; it was not written: give the writer only "
+            "what a manifest may hold (class names are strings, numbers are finite)"
+        ) from None
     storage.sync_dir(folder)  # every shard's rename is durable before the manifest names it
-    text = json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n"
-    storage.atomic_write_bytes(storage.join(folder, MANIFEST_NAME), text.encode("utf-8"))
+    storage.atomic_write_bytes(path, data)
+    return written
 
 
 def read_manifest(folder: str) -> Manifest:
@@ -225,16 +240,15 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         manifest = _parse(data)
     except (KeyError, TypeError, ValueError) as exc:
         raise _refused(path, f" is not a valid dlpipe manifest: {_describe(exc)}") from exc
-    from dlpipe.formats import get_format  # formats build on this module
-
     try:
-        fmt = get_format(manifest.format, manifest.format_version)
+        check_format(manifest.format, manifest.format_version)
     except ManifestError as exc:
         raise ManifestError(f"{path}: {exc}") from None
+    suffix = SHARD_SUFFIXES[manifest.format]
     for split, info in manifest.splits.items():
         for shard in info.shards:
-            if not shard.name.endswith(fmt.suffix):
-                what = f"is not a {fmt.name} shard name (ending in {fmt.suffix})"
+            if not shard.name.endswith(suffix):
+                what = f"is not a {manifest.format} shard name (ending in {suffix})"
                 raise _refused(path, f": shard {shard.name!r} of split {split!r} {what}")
     return manifest
 
@@ -248,10 +262,11 @@ def _read_regular_file(path: str) -> bytes:
         return f.read(MAX_MANIFEST_BYTES + 1)
 
 
+_READER_FIX = "; re-run the conversion (dlpipe convert ... --overwrite) or restore the file"
+
+
 def _refused(path: str, what: str) -> ManifestError:
-    return ManifestError(
-        f"{path}{what}; re-run the conversion (dlpipe convert ... --overwrite) or restore the file"
-    )
+    return ManifestError(f"{path}{what}{_READER_FIX}")
 
 
 def _too_large(path: str) -> ManifestError:

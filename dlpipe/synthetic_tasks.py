@@ -32,6 +32,7 @@ import numpy as np
 from PIL import Image
 
 from dlpipe import rle
+from dlpipe.annotations import voc_colour
 from dlpipe.synthetic import SHAPE_CLASSES, draw_mask, textured_background
 
 __all__ = ["Scene", "SceneObject", "render_scene", "write_coco", "write_voc_segmentation"]
@@ -173,16 +174,6 @@ def _annotation(obj: SceneObject, image_id: int, size: int) -> dict[str, Any]:
     }
 
 
-def _voc_colour(index: int) -> tuple[int, int, int]:
-    """VOC's palette colour of `index` (``VOClabelcolormap.m``)."""
-    rgb = [0, 0, 0]
-    for bit in range(7, -1, -1):
-        for channel in range(3):
-            rgb[channel] |= ((index >> channel) & 1) << bit
-        index >>= 3
-    return rgb[0], rgb[1], rgb[2]
-
-
 def write_voc_segmentation(
     root: str, train: int = 200, val: int = 50, *, seed: int = 0, size: int = 128
 ) -> dict[str, int]:
@@ -205,7 +196,7 @@ def write_voc_segmentation(
             f.write("".join(f"{name}\n" for name in names))
     lines = ["# label:color_rgb:parts:actions"]
     for i, name in enumerate(("background", *SHAPE_CLASSES)):
-        lines.append(f"{name}:{','.join(map(str, _voc_colour(i)))}::")
+        lines.append(f"{name}:{','.join(map(str, voc_colour(i)))}::")
     with open(os.path.join(year, "labelmap.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     return {split: len(names) for split, names in ids.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -19,78 +20,53 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dlpipe.cli import non_negative_int, positive_float, positive_int, printable
+from dlpipe.bench_config import CONFIG_SUFFIX, BenchLoaderConfig
 from dlpipe.loading.config import LoaderConfig
 from dlpipe.loading.profile import ProfileSaveError
+from dlpipe.options import add_config_command, write_config_file
+from dlpipe.text import printable
 
 if TYPE_CHECKING:  # the tuner imports torch: only when the command runs
-    from dlpipe.loading.tune import BenchReport, Trial
+    from dlpipe.loading.tune import BenchConfig, BenchReport, Trial
 
-__all__ = ["add_bench_parser", "crop_scale", "run_bench_loader"]
+log = logging.getLogger("dlpipe")
+
+__all__ = ["add_bench_parser", "run_bench_loader"]
+
+
+def _bench_config(options: BenchLoaderConfig) -> BenchConfig:
+    """The tuner's config: what the batches are (one `LoaderConfig`, as ``dlpipe train``
+    builds it from the same values) and how long to search."""
+    from dlpipe.loading.tune import BenchConfig
+
+    loader = LoaderConfig(
+        batch_size=options.batch_size,
+        transform=options.transform,
+        image_size=options.image_size,
+        min_crop_scale=options.min_crop_scale,
+    )
+    return BenchConfig(
+        path=options.data,
+        split=options.split,
+        loader=loader,
+        budget_s=options.budget,
+        max_workers=options.max_workers,
+        device=options.device,
+    )
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench-loader", help="measure the input pipeline and tune its workers")
-    p.add_argument("data", help="dataset folder or URL")
-    p.add_argument("--split", default="train")
-    p.add_argument("--batch-size", type=positive_int, default=64)
-    p.add_argument(
-        "--transform",
-        choices=["auto", "train", "eval"],
-        default="auto",
-        help="auto: train for the train split, else eval",
-    )
-    p.add_argument("--image-size", type=positive_int, default=224)
-    p.add_argument(
-        "--min-crop-scale",
-        type=crop_scale,
-        default=0.08,
-        help="smallest train crop's area share, as dlpipe train's --min-crop-scale (0.08)",
-    )
-    p.add_argument(
-        "--budget", type=positive_float, default=60.0, help="seconds for the whole search"
-    )
-    p.add_argument(
-        "--max-workers", type=non_negative_int, help="largest num_workers tried (2x cores)"
-    )
-    p.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="where batches go (cuda also tries pin_memory and decoding on the GPU)",
-    )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--plot", help="write a PNG of samples/s per trial here")
-    p.add_argument("--no-save", action="store_true", help="do not save the winning profile")
-    p.set_defaults(handler=run_bench_loader)
+    """``dlpipe bench-loader``: one argument per `BenchLoaderConfig` option, and ``--config``."""
+    help = "measure the input pipeline and tune its workers"
+    add_config_command(sub, "bench-loader", BenchLoaderConfig, run_bench_loader, help=help)
 
 
-def crop_scale(text: str) -> float:
-    """An argparse type: a share of the image area in (0, 1]."""
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an area share in (0, 1]")
-    return value
+def run_bench_loader(options: BenchLoaderConfig, console: Console) -> int:
+    """Measure, search, print the report, save the winner and the resolved options."""
+    from dlpipe.loading.tune import bench_loader, save_winner
 
-
-def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
-    from dlpipe.loading.tune import BenchConfig, bench_loader, save_winner
-
-    loader = LoaderConfig(
-        batch_size=args.batch_size,
-        transform=args.transform,
-        image_size=args.image_size,
-        min_crop_scale=args.min_crop_scale,
-    )
-    config = BenchConfig(
-        path=args.data,
-        split=args.split,
-        loader=loader,
-        budget_s=args.budget,
-        max_workers=args.max_workers,
-        device=args.device,
-    )
-    quiet = args.json
+    config = _bench_config(options)
+    quiet = options.json
 
     def show(trial: Trial) -> None:
         if not quiet:
@@ -98,31 +74,46 @@ def run_bench_loader(args: argparse.Namespace, console: Console) -> int:
                 escape(trial.skipped) if trial.skipped else f"{trial.samples_per_s:.0f} samples/s"
             )
             console.print(
-                f"  {trial.engine}={trial.num_workers} decode={trial.decode} "
-                f"prefetch={trial.prefetch_factor} "
-                f"pin={trial.pin_memory}: {what}"
+                f"  {trial.settings.engine}={trial.settings.num_workers} "
+                f"decode={trial.settings.decode} prefetch={trial.settings.prefetch_factor} "
+                f"pin={trial.settings.pin_memory}: {what}"
             )
 
     report = bench_loader(config, on_trial=show)
-    saved, failure = None, None
-    if not args.no_save:
+    saved, written, failure = None, None, None
+    if options.save:
         try:
             saved = save_winner(report)
+            written = _write_resolved(options, saved)
         except ProfileSaveError as exc:  # the measurements are still shown, then the error
             failure = str(exc)
     if quiet:
-        print(json.dumps({**report.to_json(), "saved": saved}, indent=2))
+        print(json.dumps({**report.to_json(), "saved": saved, "config": written}, indent=2))
     else:
         _print(report, console, saved)
-    if args.plot:
+        if written:
+            console.print(f"wrote the resolved options to {escape(written)} (read by --config)")
+    if options.plot:
         try:
-            _plot(report, args.plot)
+            _plot(report, options.plot)
         except (OSError, ValueError) as exc:  # a bad --plot path must not hide the results
-            failure = failure or f"could not write the plot {args.plot}: {exc}; fix --plot"
+            failure = failure or f"could not write the plot {options.plot}: {exc}; fix --plot"
     if failure is not None:
         print(f"error: {printable(str(failure))}", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_resolved(options: BenchLoaderConfig, saved: str) -> str | None:
+    """`options` as TOML beside the saved profile (`CONFIG_SUFFIX`); None if that failed
+    (the profile is saved: a warning, not an error)."""
+    dest = saved.removesuffix(".json") + CONFIG_SUFFIX
+    try:
+        write_config_file(dest, options)
+    except OSError as exc:
+        log.warning("could not write the resolved options to %s: %s", dest, exc)
+        return None
+    return dest
 
 
 def _print(report: BenchReport, console: Console, saved: str | None) -> None:
@@ -136,7 +127,8 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
     ):
         stages.add_row(name, f"{rate:.0f}")
     console.print(stages)
-    gpu = any(t.pin_memory or t.decode != "cpu" for t in report.trials)  # --device cuda
+    # --device cuda
+    gpu = any(t.settings.pin_memory or t.settings.decode != "cpu" for t in report.trials)
     columns = ["engine", "workers", "prefetch", *(["pin", "decode"] if gpu else [])]
     columns += ["samples/s", "CPU/sample", "first batch", "worker RSS"]
     trials = Table(
@@ -149,19 +141,19 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
         mark = " ←" if t is report.best else ""
         measured = not t.skipped
         trials.add_row(
-            t.engine,
-            str(t.num_workers),
-            str(t.prefetch_factor),
-            *([str(t.pin_memory), t.decode] if gpu else []),
+            t.settings.engine,
+            str(t.settings.num_workers),
+            str(t.settings.prefetch_factor),
+            *([str(t.settings.pin_memory), t.settings.decode] if gpu else []),
             shown + mark,
             f"{t.cpu_us_per_sample:,.0f} us" if measured else "-",
             f"{t.first_batch_s:.2f} s" if measured else "-",
-            "-" if t.engine == "threads" else f"{t.worker_rss_bytes / 1e6:.0f} MB",
+            "-" if t.settings.engine == "threads" else f"{t.worker_rss_bytes / 1e6:.0f} MB",
         )
     console.print(trials)
     best = report.best
     assert best is not None
-    console.print(f"chosen: {best.settings().line()} ({best.samples_per_s:.0f} samples/s)")
+    console.print(f"chosen: {best.settings.line()} ({best.samples_per_s:.0f} samples/s)")
     console.print(f"verdict: {escape(report.advice)}")
     if saved:
         console.print(
@@ -183,7 +175,8 @@ def _plot(report: BenchReport, path: str) -> None:
         h = int((height - 80) * t.samples_per_s / top)
         colour = (40, 120, 200) if t is not report.best else (220, 110, 30)
         draw.rectangle((x, height - 40 - h, x + bar, height - 40), fill=colour)
-        label = f"{t.engine[0]}{t.num_workers} p{t.prefetch_factor}"  # p2: processes, t2: threads
+        s = t.settings
+        label = f"{s.engine[0]}{s.num_workers} p{s.prefetch_factor}"  # p2: processes, t2: threads
         draw.text((x, height - 35), label, fill="black")
         draw.text((x, height - 55 - h), f"{t.samples_per_s:.0f}", fill="black")
     draw.text(

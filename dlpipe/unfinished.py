@@ -1,10 +1,10 @@
 """What to tell a user whose dataset folder has no manifest: an unfinished conversion (and the
 command that finishes it) or not a dataset at all.
 
-The conversion journal (``.dlpipe-journal/plan.json``, written by ``dlpipe.converters.journal``)
-records the raw folder, the format and the option flags; the folder is untrusted, so the journal
-is read small and defensively, and only flags from an allowlist, each value shell-quoted, go into
-the printed command.
+The conversion journal (``.dlpipe-journal/plan.json``, what ``dlpipe convert`` keeps there through
+the output folder's owner, ``dlpipe.formats.output``) records the raw folder, the format and the
+option flags; the folder is untrusted, so the journal is read small and defensively, and only
+flags from an allowlist, each value shell-quoted, go into the printed command.
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ import shlex
 from typing import Any
 
 from dlpipe import storage
+from dlpipe.dataset_names import JOURNAL_DIR, JOURNAL_PLAN_NAME, MANIFEST_NAME, SHARD_SUFFIXES
 
 __all__ = ["CONVERT_OPTION_FLAGS", "missing_message"]
 
-_JOURNAL_DIR = ".dlpipe-journal"
 _SHARD_FILE_RE = re.compile(r"[A-Za-z0-9_]+-\d{6}\.[a-z0-9]+")
 
 
 def missing_message(folder: str) -> str:
     """The message of a `ManifestNotFoundError` for `folder`."""
-    from dlpipe.manifest import MANIFEST_NAME  # that module raises the error
-
     names = storage.listdir(folder)
     if any(_SHARD_FILE_RE.fullmatch(n) or n.startswith(".dlpipe-") for n in names):
         raw, fmt, args = _interrupted_run(folder, names)
@@ -99,16 +97,14 @@ def _interrupted_run(folder: str, names: list[str]) -> tuple[str, str, str]:
     From the journal's ``plan.json`` when it records them, else the format from the shard
     names the journal and the folder hold. Read defensively: the folder is untrusted.
     """
-    from dlpipe.formats import FORMATS  # formats build on this module
-
-    journal = storage.join(folder, _JOURNAL_DIR)
-    plan = _small_json(storage.join(journal, "plan.json"))
+    journal = storage.join(folder, JOURNAL_DIR)
+    plan = _small_json(storage.join(journal, JOURNAL_PLAN_NAME))
     raw = plan.get("raw") or plan.get("source")
     fmt = plan.get("format")
-    if not isinstance(fmt, str) or fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in SHARD_SUFFIXES:
         shards = [n.removesuffix(".json") for n in storage.listdir(journal)] + names
-        found = {f.name for f in FORMATS.values() for n in shards if n.endswith(f.suffix)}
-        fmt = found.pop() if len(found) == 1 else "|".join(sorted(FORMATS))
+        found = {f for f, suffix in SHARD_SUFFIXES.items() for n in shards if n.endswith(suffix)}
+        fmt = found.pop() if len(found) == 1 else "|".join(sorted(SHARD_SUFFIXES))
     raw = shlex.quote(raw) if isinstance(raw, str) and raw else "RAW"
     return raw, fmt, _resume_args(plan.get("args"))
 

@@ -31,7 +31,7 @@ def test_convert_writes_a_dataset_open_dataset_reads(raw, tmp_path) -> None:
 
 
 def test_convert_takes_a_whole_config_too(raw, tmp_path) -> None:
-    from dlpipe.converters.config import ImageConfig, ShardConfig
+    from dlpipe.converters.config import ImagePolicy, ShardConfig
 
     config = dlpipe.ConvertConfig(
         raw=raw, to="wds", out=str(tmp_path / "w"), shards=ShardConfig(val_fraction=0.5)
@@ -42,7 +42,7 @@ def test_convert_takes_a_whole_config_too(raw, tmp_path) -> None:
     with pytest.raises(dlpipe.DlpipeError, match="ConvertConfig alone"):
         dlpipe.convert(config, to="wds")
     with pytest.raises(dlpipe.DlpipeError, match="argument --quality: 0 is not an integer in"):
-        ImageConfig(quality=0)  # each group checks its own fields
+        ImagePolicy(quality=0)  # each group checks its own fields
 
 
 @pytest.mark.parametrize(

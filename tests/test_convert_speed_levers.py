@@ -125,3 +125,35 @@ def test_a_wds_shard_past_the_write_back_step_is_whole_and_hashed_right(tmp_path
     with tarfile.open(out / shard.name) as tar:  # plain tar reads it, byte for byte
         members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
     assert members == [(f"s{i}.bin", data) for i, data in enumerate(payloads)]
+
+
+def _two_frame_headers(pixels: int) -> bytes:
+    """A 16x16 JPEG with a second frame header of `pixels` x `pixels` before its scan: the
+    header check reads the first (as libjpeg does), Pillow the last."""
+    data = _small_jpeg()
+    sof, sos = data.index(b"\xff\xc0"), data.index(b"\xff\xda")
+    frame = bytearray(data[sof : sof + 2 + int.from_bytes(data[sof + 2 : sof + 4], "big")])
+    frame[5:9] = pixels.to_bytes(2, "big") * 2
+    return data[:sos] + bytes(frame) + data[sos:]
+
+
+def _small_jpeg() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (90, 120, 30)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_an_image_pillow_reads_as_over_the_pixel_limit_is_one_named_skip(tmp_path) -> None:
+    """The size Pillow reads is held to dlpipe's limit (no warnings filter per image)."""
+    raw = tmp_path / "raw"
+    for name in ("a", "b"):
+        (raw / name).mkdir(parents=True)
+        (raw / name / "ok.jpg").write_bytes(_small_jpeg())
+    (raw / "a" / "two-frames.jpg").write_bytes(_two_frame_headers(12_000))  # 1.6x the limit
+    out = tmp_path / "out"
+    assert main(["convert", str(raw), "--to", "wds", "--out", str(out), "--workers", "1"]) == 0
+    (error,) = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert error["key"] == "a%2Ftwo-frames"
+    assert "12000x12000 = 144,000,000 pixels, over the pixel limit" in error["error"]
+    assert sum(s.samples for s in dlpipe.read_manifest(str(out)).splits.values()) == 2

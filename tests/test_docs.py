@@ -10,6 +10,7 @@ no rule claims fails `test_every_block_is_run_or_checked`. A command that cannot
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -260,3 +261,23 @@ def test_design_benchmark_and_error_figures_stay_in_the_manual() -> None:
     for page, facts in expected.items():
         for fact in facts:
             assert fact in page_text(page), (page, fact)
+
+
+@pytest.mark.parametrize("command", ["train", "bench-loader", "demo"])
+def test_every_flag_a_command_takes_is_in_its_commands_row(command) -> None:
+    """The flags are generated from the config's fields (`dlpipe.options`): a new option is
+    documented in docs/commands.md, or this fails naming it."""
+    from dlpipe.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {f for a in sub.choices[command]._actions for f in a.option_strings}
+    flags -= {"-h", "--help"}
+    row = next(
+        line
+        for line in (ROOT / "docs" / "commands.md").read_text().splitlines()
+        if line.startswith(f"| `dlpipe {command} ")
+    )
+    documented = set(re.findall(r"--[a-z0-9-]+", row.replace("--[no-]", "--no-").split("` |")[0]))
+    documented |= {f.replace("--no-", "--") for f in documented if f.startswith("--no-")}
+    assert sorted(flags - documented) == [], f"undocumented {command} flags"

@@ -20,6 +20,9 @@ from dlpipe.converters.audit import (
     find_duplicates,
     kept_and_dropped,
 )
+from dlpipe.converters.engine import ConvertConfig, plan_conversion
+from dlpipe.converters.source import SampleError
+from dlpipe.converters.worker import audit_task, image_reader
 
 
 def picture(seed: int, size=(96, 72)) -> Image.Image:
@@ -57,9 +60,7 @@ def test_near_copies_are_within_the_threshold_and_other_pictures_are_not() -> No
 
 def random_prints(count: int, seed: int) -> list[Fingerprint]:
     rng = random.Random(seed)
-    return [
-        Fingerprint("train", f"k{i:05d}", f"{i:064x}", rng.getrandbits(64)) for i in range(count)
-    ]
+    return [Fingerprint("train", f"k{i:05d}", 1000 + i, rng.getrandbits(64)) for i in range(count)]
 
 
 def test_find_duplicates_agrees_with_comparing_every_pair() -> None:
@@ -70,33 +71,75 @@ def test_find_duplicates_agrees_with_comparing_every_pair() -> None:
         h = prints[i].dhash
         for bit in flips:
             h ^= 1 << bit
-        prints.append(Fingerprint("val", f"n{i:05d}", f"n{i:063x}", h))
-    prints.append(Fingerprint("test", "same-bytes", prints[5].sha256, prints[9].dhash))
+        prints.append(Fingerprint("val", f"n{i:05d}", 5000 + i, h))
     linked = {
         frozenset({(a.split, a.key), (b.split, b.key)})
         for x, a in enumerate(prints)
         for b in prints[x + 1 :]
-        if a.sha256 == b.sha256 or (a.dhash ^ b.dhash).bit_count() <= NEAR_BITS
+        if (a.dhash ^ b.dhash).bit_count() <= NEAR_BITS
     }
-    groups = find_duplicates(prints)
+    groups = find_duplicates(prints, read=lambda p: pytest.fail("sizes differ: never read"))
     in_group = {m: g for g in groups for m in g.members}
     for pair in linked:  # every close pair shares a group, every group is linked pairs
         a, b = tuple(pair)
         assert in_group[a] is in_group[b]
     assert sum(len(g.members) - 1 for g in groups) <= len(linked)
-    exact = next(g for g in groups if ("test", "same-bytes") in g.members)
-    assert ("train", "k00005") in exact.members and exact.kind == "near"  # bytes + hash
+    assert groups and all(g.kind == "near" for g in groups)  # sizes differ: never read
+
+
+def test_exact_copies_are_confirmed_by_their_bytes_and_only_candidates_are_read() -> None:
+    files = {
+        "a": b"same bytes", "b": b"same bytes",  # one size, one hash, one content
+        "c": b"one content", "d": b"two content",  # one size, one hash, other bytes
+        "e": b"short", "f": b"longer file",  # one hash, other sizes
+        "g": b"unrelated",
+    }  # fmt: skip
+    far = [0, 0x00FF00FF00FF00FF, 0xF0F0F0F0F0F0F0F0, 2**64 - 1]  # 32 bits apart
+    hashes = dict(zip("abcdefg", [far[0], far[0], far[1], far[1], far[2], far[2], far[3]]))
+    prints = [Fingerprint("train", k, len(v), hashes[k]) for k, v in files.items()]
+    read: list[str] = []
+
+    def reader(p: Fingerprint) -> bytes:
+        read.append(p.key)
+        return files[p.key]
+
+    groups = find_duplicates(prints, read=reader)
+    kinds = {tuple(k for _, k in g.members): g.kind for g in groups}
+    assert kinds == {("a", "b"): "exact", ("c", "d"): "near", ("e", "f"): "near"}
+    assert sorted(read) == ["a", "b", "c", "d"]
+
+
+def test_a_candidate_that_cannot_be_read_again_is_not_called_an_exact_copy() -> None:
+    prints = [Fingerprint("train", k, 10, 7) for k in ("a", "b")]
+
+    def gone(p: Fingerprint) -> bytes:
+        raise SampleError(f"{p.key}: cannot be read (No such file or directory)")
+
+    assert [g.kind for g in find_duplicates(prints, read=gone)] == ["near"]
+
+
+def test_the_shard_tasks_fingerprints_give_the_groups_read_again(tmp_path) -> None:
+    raw = leaky_folders(tmp_path / "raw")
+    planned = plan_conversion(ConvertConfig.from_options(str(raw), "wds", out=str(tmp_path / "o")))
+    tasks = planned.plan.tasks
+    prints = [
+        Fingerprint(t.split, *f)
+        for t in tasks
+        for f in audit_task(planned.source, t, planned.worker).fingerprints
+    ]
+    groups = find_duplicates(prints, read=image_reader(planned.source, tasks))
+    assert [(g.kind, g.members) for g in groups] == [
+        ("near", (("train", "cat%2Ft0"), ("val", "cat%2Fv0"))),
+        ("exact", (("train", "dog%2Ft0"), ("train", "dog%2Ft1"))),
+    ]
 
 
 def test_dedup_keeps_the_evaluation_copy() -> None:
-    prints = [
-        Fingerprint("train", "a", "1" * 64, 0),
-        Fingerprint("val", "b", "1" * 64, 0),
-        Fingerprint("test", "c", "1" * 64, 0),
-        Fingerprint("train", "d", "2" * 64, 2**64 - 1),
-        Fingerprint("train", "e", "2" * 64, 2**64 - 1),
-    ]
-    groups = find_duplicates(prints)
+    files = {"a": b"1" * 64, "b": b"1" * 64, "c": b"1" * 64, "d": b"2" * 64, "e": b"2" * 64}
+    hashes = {"a": 0, "b": 0, "c": 0, "d": 2**64 - 1, "e": 2**64 - 1}
+    splits = {"a": "train", "b": "val", "c": "test", "d": "train", "e": "train"}
+    prints = [Fingerprint(splits[k], k, 64, hashes[k]) for k in files]
+    groups = find_duplicates(prints, read=lambda p: files[p.key])
     assert [g.kind for g in groups] == ["exact", "exact"]
     kept, dropped = kept_and_dropped(groups)
     assert kept == [("val", "b"), ("train", "d")]

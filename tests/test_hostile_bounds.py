@@ -54,7 +54,6 @@ BAD_FLAGS = [
     (["--clip-grad", "1e-320"], "optim.clip_grad = 1e-320 must be in [1e-06, 1e+06]"),
     (["--clip-grad", "1e308"], "optim.clip_grad = 1e+308 must be in [1e-06, 1e+06]"),
     (["--label-smoothing", "-0.5"], "optim.label_smoothing = -0.5 must be in [0, 1)"),
-    (["--min-crop-scale", "1e308"], "data.min_crop_scale = 1e+308 must be in (0, 1]"),
     (["--dist-timeout", "1e308"], "run.dist_timeout_s = 1e+308 must be in [1, 604800]"),
     (["--dist-timeout", "1e-9"], "run.dist_timeout_s = 1e-09 must be in [1, 604800]"),
     (["--dist-timeout", "0.5"], "run.dist_timeout_s = 0.5 must be in [1, 604800]"),
@@ -71,7 +70,6 @@ BAD_FLAGS = [
     (["--checkpoint-every", "-1"], "run.checkpoint_every_steps = -1 must not be negative"),
     (["--max-nonfinite-steps", str(10**13)], "run.max_nonfinite_steps = 10000000000000 must"),
     (["--seed", str(2**32)], "run.seed = 4294967296 must be in 0.."),
-    (["--image-size", "0"], "data.image_size = 0 must be a positive integer"),
     (["--num-workers", "100000"], "data.num_workers = 100000 is more loader workers than"),
     (["--num-workers", "-1"], "data.num_workers = -1 must not be negative"),
 ]
@@ -101,8 +99,10 @@ BAD_TOML = [
         '[data]\nnum_workers = 100000\nengine = "threads"\n',
         "data.num_workers = 100000 is more loader workers",
     ),
-    ("[run]\nepochs = [" + "1, " * 100_000 + "1]\n", "[run] epochs = [1, 1, 1, 1, 1"),
-    ("[" + "x" * 10_000 + "]\n", "unknown section [xxxxxxxx"),
+    ("[run]\nepochs = [" + "1, " * 100_000 + "1]\n", "run.epochs = [1, 1, 1, 1, 1"),
+    ("[" + "x" * 10_000 + "]\n", "unknown key 'xxxxxxxx"),
+    ("[data]\nmin_crop_scale = 1e308\n", "1e+308 is not an area share in (0, 1]"),
+    ("[data.loader]\nimage_size = 0\n", "image_size = 0: 0 is not an integer in 1..16384"),
 ]
 
 
@@ -274,7 +274,7 @@ def test_bench_loader_skips_worker_counts_the_machine_cannot_run(
     from dlpipe.loading import tune
 
     def fake(config, trial, seconds):
-        trial.samples_per_s = 100.0 * (trial.num_workers + 1)
+        trial.samples_per_s = 100.0 * (trial.settings.num_workers + 1)
         return trial
 
     monkeypatch.setattr(tune, "run_trial", fake)
@@ -283,7 +283,7 @@ def test_bench_loader_skips_worker_counts_the_machine_cannot_run(
     )
     ran = [t for t in trials if not t.skipped]
     skipped = [t for t in trials if t.skipped]
-    assert ran and max(t.num_workers for t in ran) <= 8
+    assert ran and max(t.settings.num_workers for t in ran) <= 8
     assert skipped and all("more workers than this machine can run" in t.skipped for t in skipped)
 
 

@@ -22,7 +22,8 @@ from PIL import Image
 from rich.table import Table
 
 import dlpipe
-from dlpipe.cli import TerminalConsole, main, printable, shown
+from dlpipe.cli import TerminalConsole, main
+from dlpipe.text import printable, shown
 
 HOSTILE = "\x1b[2J\x1b]0;owned\x07\r\x1b[1A\x1b[2K\x08\x7f\x85\x9b\u202e\u2066\u2028"
 """Clear the screen, retitle the window, go back up and erase the line before, backspace,

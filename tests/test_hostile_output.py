@@ -94,7 +94,8 @@ def test_overwrite_keeps_user_files_with_shard_like_names(tmp_path, fmt, capsys)
     suffix = dlpipe.FORMATS[fmt].suffix
     assert {p.shard for p in report.problems} == {n for n in USER_FILES if n.endswith(suffix)}
     assert all("does not list it" in p.message for p in report.problems)
-    assert set(os.listdir(out)) == listed | set(USER_FILES) | {"dlpipe.json", storage.LOCK_NAME}
+    names = {"dlpipe.json", "convert.toml", storage.LOCK_NAME}  # convert.toml: the CLI's config
+    assert set(os.listdir(out)) == listed | set(USER_FILES) | names
 
 
 def test_overwrite_with_fewer_shards_deletes_only_the_listed_old_ones(tmp_path) -> None:
@@ -188,7 +189,7 @@ def test_an_overwrite_killed_half_way_still_knows_which_shards_were_dlpipes(
     )
     engine.convert(config)
     assert_kept(out, USER_FILES)
-    expected = {"dlpipe.json", "train-000000.tar", storage.LOCK_NAME, *USER_FILES}
+    expected = {"dlpipe.json", "convert.toml", "train-000000.tar", storage.LOCK_NAME, *USER_FILES}
     assert set(os.listdir(out)) == expected  # every old one-sample shard was found and removed
 
 

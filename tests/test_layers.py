@@ -100,3 +100,88 @@ def test_importing_dlpipe_and_the_demo_loads_neither_converters_nor_trainer() ->
         text=True,
     )
     assert public.stdout.strip() == "dlpipe.converters.engine", public.stderr
+
+
+def test_the_loader_drives_both_sample_orders_through_one_contract() -> None:
+    """`loader.py` names neither order, view nor dataset kind, and `PreparedLoader` branches
+    on no type: map-style and stream loading differ only behind `PassOrder` and `plan_view`."""
+    path = PACKAGE / "loading" / "loader.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    kinds = {"EpochSampler", "StreamOrder", "MapView", "StreamView", "MapDataset", "StreamDataset"}
+    named = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    named |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    named |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not named & kinds, f"loader.py names {sorted(named & kinds)}"
+    loader = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PreparedLoader"
+    )
+    calls = [
+        n.func.id
+        for n in ast.walk(loader)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    ]
+    assert "isinstance" not in calls and "type" not in calls, "PreparedLoader branches on a type"
+
+
+def test_reading_a_manifest_reaches_no_shard_format() -> None:
+    """What ``import dlpipe.manifest`` runs (the package's ``__init__`` first), and what that
+    imports in turn (inside functions too), never reaches ``dlpipe.formats``: the manifest knows
+    the formats by name, suffix and version (``dlpipe.dataset_names``), so reading one loads
+    neither lmdb nor h5py."""
+
+    def type_checking_lines(path: Path) -> set[int]:  # imports there never run
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        blocks = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.If)
+            and isinstance(n.test, ast.Name)
+            and n.test.id == "TYPE_CHECKING"
+        ]
+        return {line for b in blocks for line in range(b.lineno, (b.end_lineno or b.lineno) + 1)}
+
+    def path_of(name: str) -> Path | None:
+        folder = PACKAGE.joinpath(*name.split(".")[1:])
+        return next(
+            (p for p in (folder / "__init__.py", folder.with_suffix(".py")) if p.is_file()), None
+        )
+
+    seen, todo = set(), ["dlpipe.manifest"]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        runs = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]  # parents first
+        for module in (m for m in runs if m not in seen):
+            path = path_of(module)
+            if path is not None:
+                seen.add(module)
+                typing_only = type_checking_lines(path)
+                todo += [
+                    n
+                    for n, line, _ in _imports(path)
+                    if n.startswith("dlpipe") and line not in typing_only
+                ]
+    assert {"dlpipe", "dlpipe.unfinished", "dlpipe.dataset_names"} <= seen  # the walk follows
+    assert not [n for n in seen if _into(n, ("dlpipe.formats",))], sorted(seen)
+
+
+def test_no_module_but_the_entry_points_imports_the_cli(tmp_path) -> None:
+    """Every room and the core reach argparse helpers, escaping and config through core modules
+    (`dlpipe.options`, `dlpipe.text`); only ``dlpipe/cli.py`` and ``dlpipe/__main__.py`` name
+    ``dlpipe.cli``, so no import circle runs through it. Every module of dlpipe, converters
+    and train, at any nesting, inside functions too."""
+    entry_points = {PACKAGE / "cli.py", PACKAGE / "__main__.py"}
+    folders = (PACKAGE, PACKAGE.parent / "converters", PACKAGE.parent / "train")
+    modules = sorted(p for folder in folders for p in folder.rglob("*.py"))
+    assert len(modules) > 100 and not entry_points - set(modules)
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from dlpipe import cli\n")
+    assert [n for n, _, _ in _imports(probe) if _into(n, ("dlpipe.cli",))]  # the walk sees it
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
+        for path in modules
+        if path not in entry_points
+        for name, line, _ in _imports(path)
+        if _into(name, ("dlpipe.cli",))
+    ]
+    assert not found, found

@@ -216,3 +216,29 @@ def test_an_in_process_loader_and_a_forked_one_share_a_dataset(fmt, make_dataset
     )
     assert [labels.tolist() for _, labels in batch_list(forked)][:1] == [first[0][1].tolist()]
     assert len(batch_list(in_process)) == len(batch_list(forked))
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_a_loader_reads_parses_and_checks_the_manifest_once(fmt, make_dataset, monkeypatch) -> None:
+    import dlpipe.loading.dataset as dataset_module
+    import dlpipe.manifest as manifest_module
+
+    path = make_dataset(fmt)
+    calls = []
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    read = counted("read", manifest_module.read_manifest_bytes)
+    parse = counted("parse", manifest_module.parse_manifest)
+    for module in (manifest_module, dataset_module):  # also read through read_manifest
+        monkeypatch.setattr(module, "read_manifest_bytes", read)
+        monkeypatch.setattr(module, "parse_manifest", parse)
+    monkeypatch.setattr(dataset_module, "get_format", counted("format", dataset_module.get_format))
+    loader = dlpipe.make_loader(path, "train", dlpipe.LoaderConfig(batch_size=4), workers=0)
+    next(iter(loader))  # each shard opened checks the manifest is still in place: one stat
+    assert calls == ["read", "parse", "format"]

@@ -121,6 +121,53 @@ def test_a_profile_saved_before_the_crop_scale_was_keyed_reads_as_the_default(
     assert find_profile(path, **_key(min_crop_scale=0.5)) is None
 
 
+# a profiles file as the release before `multiprocessing_context` was stored wrote it, and one
+# profile from before the thread engine and GPU decode (no "engine", no "decode")
+OLD_PROFILES = """\
+{
+  "schema": "dlpipe.loader-profiles",
+  "schema_version": 1,
+  "profiles": [
+    {
+      "num_workers": 3, "prefetch_factor": 4, "pin_memory": false,
+      "persistent_workers": true, "engine": "threads", "decode": "cpu",
+      "samples_per_s": 900.5, "machine": MACHINE,
+      "loader": {"split": "train", "batch_size": 4, "transform": "train",
+                 "image_size": 24, "min_crop_scale": 0.08},
+      "created_by": "0.1.0"
+    },
+    {
+      "num_workers": 2, "prefetch_factor": 2, "pin_memory": false,
+      "persistent_workers": true, "samples_per_s": 800.0, "machine": MACHINE,
+      "loader": {"split": "val", "batch_size": 4, "transform": "eval", "image_size": 24},
+      "created_by": "0.1.0"
+    }
+  ]
+}
+"""
+
+
+def test_a_profiles_file_of_the_previous_release_still_loads(make_dataset) -> None:
+    """A `WorkerSettings` field the file lacks takes its default; saving a profile replaces
+    the one of its key and writes the other again with every field."""
+    path = make_dataset("lmdb")
+    beside = Path(path) / profiles.PROFILES_NAME
+    beside.write_text(OLD_PROFILES.replace("MACHINE", json.dumps(profiles.machine_key())))
+    threads, _ = find_profile(path, **KEY)
+    assert threads.settings == WorkerSettings(num_workers=3, prefetch_factor=4, engine="threads")
+    val = LoaderConfig(batch_size=4, image_size=24)
+    old, _ = find_profile(path, split="val", config=val)
+    assert old.settings == WorkerSettings(num_workers=2)  # processes, cpu: the defaults
+    save_profile(path, _profile())
+    kept, new = json.loads(beside.read_text())["profiles"]
+    assert (kept["engine"], kept["decode"], new["multiprocessing_context"]) == (
+        "processes",
+        "cpu",
+        None,
+    )
+    assert LoaderProfile.from_json(kept).settings == old.settings
+
+
 def test_read_only_dataset_falls_back_to_the_user_cache(make_dataset, monkeypatch, cache_dir):
     path = make_dataset("lmdb")
     os.chmod(path, 0o555)  # root ignores the mode, hence the patched `writable` as well

@@ -168,10 +168,10 @@ def test_given_num_workers_neither_tunes_nor_hides_it(data, tmp_path, capsys) ->
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
-        ('tune = "sometimes"', "data.tune = 'sometimes' must be auto or off"),
-        ('tune = "Off"', "data.tune = 'Off' must be auto or off"),
-        ("tune = false", "[data] tune = False must be str"),
-        ("tune = 0", "[data] tune = 0 must be str"),
+        ('tune = "sometimes"', "data.tune = 'sometimes': invalid choice: 'sometimes'"),
+        ('tune = "Off"', "data.tune = 'Off': invalid choice: 'Off' (choose from auto, off)"),
+        ("tune = false", "data.tune = False: False is a bool; give a str"),
+        ("tune = 0", "data.tune = 0: 0 is an int; give a str"),
     ],
 )
 def test_a_bad_tune_value_is_one_error_line(toml, message, data, tmp_path, capsys) -> None:
@@ -383,7 +383,7 @@ def test_the_launcher_tunes_once_for_a_ranks_share(data, monkeypatch, tmp_path) 
 
     def search(config, on_trial=None, budget=None):
         asked.append(config)
-        return [tune.Trial(1, 2, False, samples_per_s=10.0)]
+        return [tune.Trial(WorkerSettings(num_workers=1), samples_per_s=10.0)]
 
     monkeypatch.setattr(tune, "search", search)
     monkeypatch.setattr("dlpipe.machine.usable_cpus", lambda: 6)

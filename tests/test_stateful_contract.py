@@ -7,7 +7,8 @@ what the original yields as it goes on. A state is untrusted input: a crafted va
 field (another type, a bool for a count, a sign, a size past the range) is refused with a
 `StateMismatchError` naming the field, and the component is left as it was. A last test walks
 ``dlpipe.loading`` and ``dlpipe.train`` so that a new class with a ``state_dict`` cannot skip
-the contract.
+the contract, and another walks ``dlpipe.loading`` for sample orders: each one a loader drives
+through the one pass contract (`PassOrder`) is under it through a loader case of its kind.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from trainer_models import oom_above_4
 
 import dlpipe
-from dlpipe.loading.order import EpochSampler
+from dlpipe.loading.order import EpochSampler, PassOrder
 from dlpipe.loading.state import Stateful, StateMismatchError
 from dlpipe.train.counters import EarlyStopping, RunCounters
 from dlpipe.train.distributed import Distributed
@@ -275,3 +276,43 @@ def test_every_class_with_a_state_dict_is_under_the_contract() -> None:
     assert not missing, f"add a Case for each of {missing} to CASES"
     stale = covered - set(found)
     assert not stale, f"CASES names classes that no longer have a state_dict: {stale}"
+
+
+# the sample orders a loader drives (`PassOrder`), each with the loader cases that drive it
+PASS_ORDERS = {"EpochSampler": ("loader-lmdb", "loader-hdf5"), "StreamOrder": ("loader-wds",)}
+_PASS_METHODS = (
+    "dataloader_options",
+    "batch_count",
+    "start_pass",
+    "started",
+    "abandon",
+    "finish",
+    "state_dict",
+    "load_pass_state",
+)
+
+
+def _pass_orders() -> set[str]:
+    """Every class defined in dlpipe.loading with the methods of the pass contract."""
+    found = set()
+    for info in pkgutil.iter_modules(importlib.import_module("dlpipe.loading").__path__):
+        module = importlib.import_module(f"dlpipe.loading.{info.name}")
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            mine = cls.__module__ == module.__name__ and not getattr(cls, "_is_protocol", False)
+            if mine and all(callable(getattr(cls, method, None)) for method in _PASS_METHODS):
+                found.add(name)
+    return found
+
+
+def test_every_sample_order_is_driven_through_the_pass_contract_by_a_loader_case(
+    make_dataset,
+) -> None:
+    assert _pass_orders() == set(PASS_ORDERS), "add the new order and its loader Case"
+    cases = {case.name: case for case in CASES}
+    for name, case_names in PASS_ORDERS.items():
+        for case_name in case_names:
+            case = cases[case_name]
+            order = case.build(make_dataset(case.data)).order
+            assert isinstance(order, PassOrder) and type(order).__name__ == name, case_name
+            progress = order.start_pass(1)  # nothing given yet: the state between passes
+            assert progress.state() == order.state_dict()

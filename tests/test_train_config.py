@@ -2,11 +2,44 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
-from dlpipe.cli import main
-from dlpipe.train.config import ConfigError, load_config, plan_batches, to_toml
+from dlpipe.cli import build_parser, main
+from dlpipe.loading.config import LoaderConfig, WorkerSettings
+from dlpipe.options import (
+    OptionSpec,
+    add_options,
+    build_config,
+    config_toml,
+    given_options,
+    option,
+    option_specs,
+    read_config_file,
+)
+from dlpipe.train.config import (
+    ConfigError,
+    DataConfig,
+    TrainConfig,
+    WorkerChoices,
+    load_config,
+    plan_batches,
+)
+from dlpipe.train.trainer import train_loader_config
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = sub.choices["train"]
+    return parser
 
 
 def test_cli_flags_override_the_toml_file_which_overrides_defaults(tmp_path) -> None:
@@ -17,7 +50,7 @@ def test_cli_flags_override_the_toml_file_which_overrides_defaults(tmp_path) -> 
     resolved = config.resolved()
     assert resolved.optim.weight_decay == 1e-4 and resolved.run.out.endswith("d-resnet18")
     again = tmp_path / "again.toml"
-    again.write_text(to_toml(resolved))
+    again.write_text(config_toml(resolved))
     assert load_config(str(again), {}) == resolved  # the written config repeats the run
 
 
@@ -33,24 +66,184 @@ def test_default_lr_scales_with_the_global_batch() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[run]\nepoch = 3\n", "[run] has no key 'epoch'; keys are epochs"),
-        ("[runs]\nepochs = 3\n", "unknown section [runs]"),
-        ('[run]\nepochs = "3"\n', "[run] epochs = '3' must be int"),
+        ("[run]\nepoch = 3\n", "unknown key 'run.epoch'; the keys there are epochs"),
+        ("[runs]\nepochs = 3\n", "unknown key 'runs'"),
+        ('[run]\nepochs = "3"\n', "run.epochs = '3': '3' is a str; give an int"),
         ("[run\n", "is not valid TOML"),
+        ('[data]\ndecode = "gpu"\n', "decode = 'gpu': invalid choice: 'gpu'"),
+        ("[data.loader]\nimage_size = 0\n", "image_size = 0: 0 is not an integer in 1..16384"),
+        ("[data.loader]\nbatch_size = 8\n", "unknown key 'data.loader.batch_size'"),
+        ("[data.workers]\nprefetch_factor = 0\n", "prefetch_factor = 0: 0 is not an integer"),
     ],
 )
 def test_a_bad_config_file_is_named_with_the_key_and_the_fix(tmp_path, text, message) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
         load_config(str(path), {})
+    assert str(path) in str(info.value)
 
 
-def test_a_decode_device_from_a_config_file_is_checked(tmp_path) -> None:
-    path = tmp_path / "gpu.toml"
-    path.write_text('[data]\npath = "d"\ndecode = "gpu"\n')
-    with pytest.raises(ConfigError, match="data.decode = 'gpu' must be auto, cpu or cuda"):
-        load_config(str(path), {}).validate()
+# `config.toml` as the release before [data.loader] and [data.workers] wrote it: the loader and
+# worker options as flat keys of [data]
+OLD_CONFIG = """\
+[data]
+path = {data}
+train_split = "train"
+val_split = "val"
+image_size = 16
+min_crop_scale = 0.5
+num_workers = 0
+engine = "auto"
+decode = "auto"
+tune = "auto"
+
+[model]
+name = "trainer_models:tiny_cnn"
+channels_last = false
+compile = false
+
+[optim]
+optimizer = "sgd"
+lr = 0.2
+weight_decay = 0.0001
+momentum = 0.9
+warmup_epochs = 0.0
+label_smoothing = 0.0
+# clip_grad = (unset)
+
+[run]
+epochs = 1
+batch_size = 16
+precision = "auto"
+out = {out}
+resume = "auto"
+seed = 0
+keep_last = 2
+checkpoint_every_steps = 0
+log_every_steps = 20
+max_nonfinite_steps = 20
+dist_timeout_s = 600.0
+# micro_batch = (unset)
+# max_steps = (unset)
+# early_stop_patience = (unset)
+# wandb = (unset)
+"""
+
+
+def test_a_run_folder_config_of_the_flat_data_keys_still_resumes(
+    make_dataset, tmp_path, capsys, monkeypatch
+) -> None:
+    """``dlpipe train --config RUN/config.toml`` on a file the previous release wrote: its
+    [data] image_size, min_crop_scale and num_workers reach the loader; the run folder's
+    config is rewritten in sections, and running it again finds the run complete."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    out = tmp_path / "run"
+    out.mkdir()
+    old = out / "config.toml"
+    old.write_text(
+        OLD_CONFIG.format(data=json.dumps(make_dataset("lmdb")), out=json.dumps(str(out)))
+    )
+    config = load_config(str(old), {})
+    assert (config.data.loader.image_size, config.data.loader.min_crop_scale) == (16, 0.5)
+    assert config.data.workers.chosen() == {"num_workers": 0}
+    assert main(["train", "--config", str(old)]) == 0
+    printed = capsys.readouterr().out
+    assert "num_workers=0" in printed and "given: --num-workers 0" in printed
+    written = old.read_text()
+    assert "[data.loader]\nimage_size = 16\nmin_crop_scale = 0.5\n" in written
+    assert "[data.workers]\n" in written and "num_workers = 0\n" in written
+    assert load_config(str(old), {}) == config.resolved()
+    assert main(["train", "--config", str(old)]) == 0
+    assert "already complete (1 epochs)" in capsys.readouterr().out
+
+
+def _other(spec: OptionSpec) -> Any:
+    """A valid value of `spec` other than its default."""
+    if spec.choices:
+        return next(c for c in spec.choices if c != spec.default)
+    if spec.kind == "bool":
+        return spec.default is not True
+    if spec.kind == "int":
+        return 1 if spec.default is None else spec.default + 1
+    return 0.5 if spec.default is None else spec.default / 2
+
+
+def _argv(spec: OptionSpec, value: Any) -> list[str]:
+    if spec.kind == "bool":
+        return [spec.flag if value else "--no-" + spec.flag[2:]]
+    return [spec.flag, str(value)]
+
+
+def test_every_loader_and_worker_option_reaches_the_trainer_by_flag_and_toml(tmp_path) -> None:
+    """A new loader option is its field (made with `option`) and its consumer: no list in the
+    trainer names it. Each `LoaderConfig` option and each `WorkerSettings` field, found by
+    introspection, is a ``dlpipe train`` flag and a TOML key, in its section and as a flat
+    [data] key, and reaches the `LoaderConfig` and the worker settings the trainer builds."""
+    loader = {s.name: _other(s) for s in option_specs(LoaderConfig)}
+    assert {"image_size", "min_crop_scale"} <= set(loader)
+    workers = {s.name: _other(s) for s in option_specs(WorkerChoices)}
+    assert set(workers) == {f.name for f in dataclasses.fields(WorkerSettings)}
+    specs = {s.name: s for s in option_specs(TrainConfig)}
+    argv = ["data"] + [a for n, v in (loader | workers).items() for a in _argv(specs[n], v)]
+    from_flags = load_config(None, given_options(_train_parser().parse_args(argv), TrainConfig))
+    sections = {"data": {"path": "data", "loader": loader, "workers": workers}}
+    flat = {"data": {"path": "data", **loader, **workers}}
+    for config in (from_flags, load_config(None, sections), load_config(None, flat)):
+        made = train_loader_config(config, 8, "train")
+        assert {name: getattr(made, name) for name in loader} == loader
+        assert config.data.workers.chosen() == workers
+        settings = WorkerSettings(**config.data.workers.chosen())  # its fields, checked
+        assert {name: getattr(settings, name) for name in workers} == workers
+
+
+def test_a_new_loader_option_needs_only_its_field_and_its_consumer(tmp_path) -> None:
+    """A `LoaderConfig` with one more option field (here a subclass): ``dlpipe train``'s
+    parser, its TOML and its resolved config file carry it, and the trainer's loader config
+    holds it, with no change to the trainer or its config."""
+    sharp = option("how much to sharpen", default=0.0)
+    wider = dataclasses.make_dataclass(
+        "Wider", [("sharpness", float, sharp)], bases=(LoaderConfig,), frozen=True, kw_only=True
+    )
+    loader = dataclasses.field(default_factory=wider)
+    data = dataclasses.make_dataclass("Data", [("loader", wider, loader)], bases=(DataConfig,))
+    config_class = dataclasses.make_dataclass(
+        "Train", [("data", data, dataclasses.field(default_factory=data))], bases=(TrainConfig,)
+    )
+    parser = argparse.ArgumentParser()
+    add_options(parser, config_class)
+    given = given_options(parser.parse_args(["d", "--sharpness", "0.3"]), config_class)
+    config = build_config(config_class, given)
+    assert train_loader_config(config, 8, "train").sharpness == 0.3
+    path = tmp_path / "config.toml"
+    path.write_text(config_toml(config))
+    assert "[data.loader]\nimage_size = 224\nmin_crop_scale = 0.08\nsharpness = 0.3\n" in (
+        path.read_text()
+    )
+    assert read_config_file(str(path), config_class)["sharpness"] == 0.3
+
+
+def test_the_train_parser_has_one_flag_per_option_and_only_those() -> None:
+    actions = _train_parser()._actions
+    specs = {s.name: s for s in option_specs(TrainConfig)}
+    assert {a.dest for a in actions} - {"help", "config", "nproc_per_node"} == set(specs)
+    for name, spec in specs.items():
+        mine = [a for a in actions if a.dest == name]
+        assert all(a.default is None for a in mine), name  # the defaults live in TrainConfig
+        strings = [s for a in mine for s in a.option_strings]
+        assert strings[:1] == ([spec.flag] if spec.flag.startswith("-") else [])
+    renamed = ["--model", "--checkpoint-every", "--log-every", "--dist-timeout"]
+    assert [specs[n].flag for n in ("model", "checkpoint_every_steps")] == renamed[:2]
+    assert [specs[n].flag for n in ("log_every_steps", "dist_timeout_s")] == renamed[2:]
+    assert specs["path"].flag == "data"  # the positional DATA
+
+
+def test_a_loader_config_that_sets_what_the_trainer_sets_is_refused() -> None:
+    config = TrainConfig()
+    config.data.path = "d"
+    config.data.loader = LoaderConfig(batch_size=32)
+    with pytest.raises(ConfigError, match=r"data.loader.batch_size = 32 is set by the trainer"):
+        config.resolved().validate()
 
 
 def test_batch_plan_derives_micro_batch_and_accumulation() -> None:

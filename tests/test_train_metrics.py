@@ -317,9 +317,11 @@ def test_the_input_bound_advice_measures_the_runs_own_loader_config() -> None:
     looks it up: same micro-batch, image size and crop scale (a path with a space quoted)."""
     import shlex
 
+    from dlpipe.bench_config import BenchLoaderConfig
     from dlpipe.cli import build_parser
     from dlpipe.loading.config import LoaderConfig
     from dlpipe.loading.profile import loader_key
+    from dlpipe.options import config_from_args
     from dlpipe.train.progress import input_verdict
 
     assert input_verdict(0.05, "data/x", 32, 96, 0.35, cuda=False) is None
@@ -327,13 +329,13 @@ def test_the_input_bound_advice_measures_the_runs_own_loader_config() -> None:
     assert advice is not None and advice.startswith("input-bound: waiting for data 50%")
     words = shlex.split(advice.split("run ", 1)[1].split(" (", 1)[0])
     assert words[:2] == ["dlpipe", "bench-loader"]
-    args = build_parser().parse_args(words[1:])
-    assert args.data == "data/my set"
+    bench = config_from_args(build_parser().parse_args(words[1:]), BenchLoaderConfig)
+    assert bench.data == "data/my set"
     advised = LoaderConfig(
-        batch_size=args.batch_size,
-        transform=args.transform,
-        image_size=args.image_size,
-        min_crop_scale=args.min_crop_scale,
+        batch_size=bench.batch_size,
+        transform=bench.transform,
+        image_size=bench.image_size,
+        min_crop_scale=bench.min_crop_scale,
     )
     trainer = LoaderConfig(batch_size=32, image_size=96, min_crop_scale=0.35)
     assert loader_key("train", advised) == loader_key("train", trainer)

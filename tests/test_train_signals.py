@@ -123,7 +123,11 @@ class Run:
     def wait_for(self, predicate, timeout_s: float = 240) -> None:
         deadline = time.monotonic() + timeout_s
         while not predicate():
-            assert self.child.poll() is None, ("ended early", self.lines[-5:], "\n".join(self.errors))
+            assert self.child.poll() is None, (
+                "ended early",
+                self.lines[-5:],
+                "\n".join(self.errors),
+            )
             assert time.monotonic() < deadline, ("timed out", self.lines[-5:], self.errors)
             time.sleep(0.05)
 

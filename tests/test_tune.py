@@ -12,9 +12,23 @@ import dlpipe
 from dlpipe import turbojpeg
 from dlpipe.cli import main
 from dlpipe.loading import tune, verdicts
+from dlpipe.loading.config import WorkerSettings
 
 # a budget for every trial of both engines (2 + 2 rungs, 2 prefetch) at the shortest window
 QUICK = ["--budget", "8", "--max-workers", "2", "--batch-size", "8", "--image-size", "32"]
+
+
+def _trial(
+    num_workers: int,
+    prefetch_factor: int | None = 2,
+    *,
+    engine: str = "processes",
+    samples_per_s: float = 0.0,
+) -> tune.Trial:
+    settings = WorkerSettings(
+        num_workers=num_workers, prefetch_factor=prefetch_factor, engine=engine
+    )
+    return tune.Trial(settings, samples_per_s=samples_per_s)
 
 
 @pytest.mark.slow
@@ -54,10 +68,10 @@ def test_the_search_respects_the_ram_budget(make_dataset, monkeypatch) -> None:
     config = tune.BenchConfig(path=make_dataset("lmdb"), max_workers=4)
     trials = tune.search(config)
     skipped = [t for t in trials if t.skipped]
-    assert skipped and skipped[0].num_workers == 2 and "GB" in skipped[0].skipped
-    processes = [t for t in trials if t.engine == "processes" and not t.skipped]
-    assert [t.num_workers for t in processes] == [0]
-    threads = [t.num_workers for t in trials if t.engine == "threads"]
+    assert skipped and skipped[0].settings.num_workers == 2 and "GB" in skipped[0].skipped
+    processes = [t for t in trials if t.settings.engine == "processes" and not t.skipped]
+    assert [t.settings.num_workers for t in processes] == [0]
+    threads = [t.settings.num_workers for t in trials if t.settings.engine == "threads"]
     assert set(threads) == {1, 2, 3, 4}  # threads share one process's memory: none skipped
 
 
@@ -70,7 +84,11 @@ def test_a_measured_worker_size_replaces_the_guess(make_dataset, monkeypatch) ->
     monkeypatch.setattr(tune, "usable_cpus", lambda: 2)
     monkeypatch.setattr(tune, "run_trial", lambda config, trial, seconds: _fake(trial))
     trials = tune.search(tune.BenchConfig(path=make_dataset("lmdb"), max_workers=4))
-    processes = [(t.num_workers, bool(t.skipped)) for t in trials if t.engine == "processes"]
+    processes = [
+        (t.settings.num_workers, bool(t.skipped))
+        for t in trials
+        if t.settings.engine == "processes"
+    ]
     assert processes[:3] == [(2, False), (3, True), (0, False)], processes
 
 
@@ -88,15 +106,15 @@ def test_the_climb_starts_at_the_core_count_and_finds_the_peak(
     order: list[int] = []
 
     def run(trial: tune.Trial, seconds: float) -> tune.Trial:
-        n = trial.num_workers
+        n = trial.settings.num_workers
         trial.samples_per_s = 1000.0 if n == 0 else 500.0 * min(n, peak) - 100.0 * max(n - peak, 0)
         order.append(n)
         return trial
 
     counts = tune._worker_counts(2 * cores, cores)
-    ladder = [tune.Trial(n, 2 if n else None, False) for n in counts if n != 1]
+    ladder = [_trial(n, 2 if n else None) for n in counts if n != 1]
     best = tune._climb(run, ladder, cores, tune._Budget(60.0))
-    assert best.num_workers == peak
+    assert best.settings.num_workers == peak
     assert order[: len(expected)] == expected, order
     assert len(order) <= 6  # a handful of trials, not the ladder
 
@@ -123,7 +141,7 @@ def test_the_search_ends_within_its_budget_on_a_machine_with_many_cores(
         starts.append(clock[0])
         windows.append(seconds)
         clock[0] += seconds + 0.2
-        trial.samples_per_s = 100.0 * (trial.num_workers + 1)
+        trial.samples_per_s = 100.0 * (trial.settings.num_workers + 1)
         return trial
 
     monkeypatch.setattr(tune, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -134,8 +152,10 @@ def test_the_search_ends_within_its_budget_on_a_machine_with_many_cores(
     assert all(start < 4.0 for start in starts[1:]), starts  # none begun once it was spent
     assert clock[0] <= 4.0 + 0.5 + 0.2 + 1e-9, clock[0]  # past it by one short trial at most
     assert all(0.5 <= w <= 10.0 for w in windows)
-    assert trials[0].num_workers == 48 and len(trials) < 14  # the core count first; cut short
-    assert {t.engine for t in trials} == {"processes", "threads"}  # each engine its share
+    assert (
+        trials[0].settings.num_workers == 48 and len(trials) < 14
+    )  # the core count first; cut short
+    assert {t.settings.engine for t in trials} == {"processes", "threads"}  # each engine its share
 
 
 def test_the_search_keeps_the_faster_engine_and_tunes_its_prefetch(make_dataset, monkeypatch):
@@ -143,9 +163,9 @@ def test_the_search_keeps_the_faster_engine_and_tunes_its_prefetch(make_dataset,
     profile are the thread engine's; measured slower, the workers stay."""
 
     def fake(config, trial, seconds, threads_gain):
-        gain = threads_gain if trial.engine == "threads" else 1.0
-        rate = 100.0 * min(trial.num_workers, 2) * gain
-        trial.samples_per_s = rate + 10 * (trial.prefetch_factor or 0)
+        gain = threads_gain if trial.settings.engine == "threads" else 1.0
+        rate = 100.0 * min(trial.settings.num_workers, 2) * gain
+        trial.samples_per_s = rate + 10 * (trial.settings.prefetch_factor or 0)
         return trial
 
     path = make_dataset("lmdb")
@@ -154,7 +174,11 @@ def test_the_search_keeps_the_faster_engine_and_tunes_its_prefetch(make_dataset,
         config = tune.BenchConfig(path=path, max_workers=4)
         trials = tune.search(config)
         best = max(trials, key=lambda t: t.samples_per_s)
-        assert best.engine == engine and best.num_workers == 2 and best.prefetch_factor == 8
+        assert (
+            best.settings.engine == engine
+            and best.settings.num_workers == 2
+            and best.settings.prefetch_factor == 8
+        )
         report = tune.BenchReport(config=config, stages=None, trials=trials, best=best)  # type: ignore[arg-type]
         with open(tune.save_winner(report)) as f:
             profile = json.load(f)["profiles"][-1]
@@ -162,14 +186,14 @@ def test_the_search_keeps_the_faster_engine_and_tunes_its_prefetch(make_dataset,
 
 
 def _fake(trial: tune.Trial) -> tune.Trial:
-    trial.samples_per_s = 100.0 * (trial.num_workers + 1)
-    trial.worker_rss_bytes = tune._worker_rss() * trial.num_workers
+    trial.samples_per_s = 100.0 * (trial.settings.num_workers + 1)
+    trial.worker_rss_bytes = tune._worker_rss() * trial.settings.num_workers
     return trial
 
 
 def test_verdict_names_the_stage_that_costs_most() -> None:
     stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440, read_mb_per_s=900)
-    best = tune.Trial(2, 2, False, samples_per_s=800)
+    best = _trial(2, samples_per_s=800)
     stage, advice = verdicts.verdict(stages, best, cores=2, image_size=224)
     assert stage == "decode" and "--max-side 448" in advice
     slow_read = tune.StageRates(read=100, decode=95, transform=94, collate=93, read_mb_per_s=5)
@@ -186,7 +210,7 @@ def test_a_decode_bound_train_loader_without_region_decode_is_told_how_to_get_it
     monkeypatch.setattr(turbojpeg, "_library", [object() if installed else None])
     stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440,
                              read_mb_per_s=900, crop_decode=crop_decode)  # fmt: skip
-    _, advice = verdicts.verdict(stages, tune.Trial(2, 2, False, samples_per_s=800), 2, 224)
+    _, advice = verdicts.verdict(stages, _trial(2, samples_per_s=800), 2, 224)
     assert ("pip install 'dlpipe[jpeg-region]'" in advice) is advised, advice
 
 
@@ -200,7 +224,7 @@ def test_a_decode_bound_train_loader_on_plain_jpegs_is_told_to_make_them_seekabl
     stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440,
                              read_mb_per_s=900, crop_decode=crop_decode,
                              seekable_share=share)  # fmt: skip
-    _, advice = verdicts.verdict(stages, tune.Trial(2, 2, False, samples_per_s=800), 2, 224)
+    _, advice = verdicts.verdict(stages, _trial(2, samples_per_s=800), 2, 224)
     assert ("--seekable-jpeg" in advice) is advised, advice
 
 
@@ -228,22 +252,22 @@ def test_a_gpu_target_measures_gpu_decode_and_the_verdict_says_why(
     gpu_gain, kept, make_dataset, monkeypatch
 ) -> None:
     def fake(config, trial, seconds):
-        gain = gpu_gain if trial.decode == "cuda" else 1.0
-        trial.samples_per_s = 100.0 * (min(trial.num_workers, 2) + 1) * gain
+        gain = gpu_gain if trial.settings.decode == "cuda" else 1.0
+        trial.samples_per_s = 100.0 * (min(trial.settings.num_workers, 2) + 1) * gain
         return trial
 
     monkeypatch.setattr(tune, "run_trial", fake)
     monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
     config = tune.BenchConfig(path=make_dataset("lmdb"), max_workers=2, device="cuda")
     trials = tune.search(config)
-    gpu = [t for t in trials if t.decode == "cuda"]
-    assert len(gpu) == 1 and gpu[0].pin_memory
+    gpu = [t for t in trials if t.settings.decode == "cuda"]
+    assert len(gpu) == 1 and gpu[0].settings.pin_memory
     best = max(trials, key=lambda t: t.samples_per_s)
-    assert (best.decode == "cuda") == (gpu_gain > 1)
+    assert (best.settings.decode == "cuda") == (gpu_gain > 1)
     advice = verdicts.decode_verdict(trials)
     assert advice.startswith(f"; {kept}: decoding each batch on the GPU gave")
     assert f"{gpu_gain:.2f}x" in advice
-    assert verdicts.decode_verdict([t for t in trials if t.decode == "cpu"]) == ""
+    assert verdicts.decode_verdict([t for t in trials if t.settings.decode == "cpu"]) == ""
 
 
 def test_the_stage_table_times_the_loaders_own_crop_aware_decode(make_dataset, monkeypatch):
@@ -278,7 +302,7 @@ def test_a_trial_with_more_workers_than_cores_warns_nothing(make_dataset) -> Non
     config = tune.BenchConfig(
         path=make_dataset("lmdb"), loader=dlpipe.LoaderConfig(batch_size=4, image_size=16)
     )
-    trial = tune.Trial((os.cpu_count() or 1) + 1, 2, False)
+    trial = _trial((os.cpu_count() or 1) + 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tune.run_trial(config, trial, 0.3)
@@ -337,5 +361,5 @@ def test_a_trial_warms_up_every_worker_process_but_threads_in_one_batch(
 
     seen: list[int] = []
     monkeypatch.setattr(tune, "_worker_rss", lambda: seen.append(len(drawn)) or 0)
-    tune._measure(batches(), tune.Trial(16, 2, False, engine=engine), 0.05)
+    tune._measure(batches(), _trial(16, engine=engine), 0.05)
     assert seen[0] == warmed

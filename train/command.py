@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import signal
 import subprocess
@@ -18,99 +17,20 @@ from typing import Any
 
 from rich.console import Console
 
-__all__ = ["add_train_parser", "config_flags", "run_train"]
-
-# the flags whose name is not their config key's; every other key's flag is its name with dashes
-_RENAMED = {
-    ("data", "path"): "data",
-    ("model", "name"): "model",
-    ("run", "checkpoint_every_steps"): "checkpoint_every",
-    ("run", "log_every_steps"): "log_every",
-    ("run", "dist_timeout_s"): "dist_timeout",
-}
-
-
-def config_flags() -> dict[str, tuple[str, str]]:
-    """Flag dest → (config section, key), for every `TrainConfig` field; every flag defaults
-    to None ("not given"), so the defaults live in the config alone."""
-    from dlpipe.train.config import TrainConfig
-
-    flags, config = {}, TrainConfig()
-    for section in dataclasses.fields(config):
-        for key in dataclasses.fields(getattr(config, section.name)):
-            flags[_RENAMED.get((section.name, key.name), key.name)] = (section.name, key.name)
-    return flags
+__all__ = ["add_train_parser", "run_train"]
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
-    from dlpipe.loading.config import DECODE_DEVICES, ENGINES
-    from dlpipe.train.config import TUNE_CHOICES
+    """The ``train`` subcommand: a flag per `TrainConfig` option (`dlpipe.options`), the
+    ``--config`` file and ``--nproc-per-node``."""
+    from dlpipe.options import add_config_flag, add_options
+    from dlpipe.train.config import TrainConfig
 
     p = sub.add_parser("train", help="train an image classifier on a prepared dataset")
-    p.add_argument("data", nargs="?", help="dataset folder or URL (or [data] path in --config)")
-    p.add_argument("--config", help="TOML file with [data] [model] [optim] [run] sections")
-    p.add_argument("--model", help="torchvision model name or package.module:function")
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--batch-size", type=int, help="global batch per optimizer step (256)")
-    p.add_argument("--micro-batch", type=int, help="per rank and forward pass (batch/ranks)")
-    p.add_argument("--lr", type=float, help="peak learning rate (sgd 0.1 x batch/256)")
-    p.add_argument("--optimizer", choices=["sgd", "adamw"])
-    p.add_argument("--weight-decay", type=float)
-    p.add_argument("--warmup-epochs", type=float)
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--image-size", type=int)
-    p.add_argument("--min-crop-scale", type=float, help="smallest train crop's area share (0.08)")
-    p.add_argument("--out", help="run folder (runs/{dataset}-{model})")
-    p.add_argument("--resume", help="auto (newest valid checkpoint), none, or a .pt path")
+    add_options(p, TrainConfig)
+    add_config_flag(p)
     p.add_argument("--nproc-per-node", type=int, help="launch N processes with torchrun")
-    p.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
-    p.add_argument("--channels-last", action="store_const", const=True)
-    p.add_argument("--clip-grad", type=float, help="max gradient norm")
-    p.add_argument("--momentum", type=float, help="SGD momentum (0.9)")
-    p.add_argument("--label-smoothing", type=float)
-    p.add_argument("--early-stop-patience", type=int, help="epochs without val-loss gain")
-    p.add_argument("--max-steps", type=int, help="stop (with a checkpoint) after N steps")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--wandb", metavar="PROJECT", help="also log to Weights & Biases")
-    p.add_argument("--train-split")
-    p.add_argument("--val-split", help='split to validate on ("val"; "" for none)')
-    p.add_argument("--num-workers", type=int, help="loader workers (bench-loader's choice)")
-    p.add_argument(
-        "--engine",
-        choices=["auto", *ENGINES],
-        help="loader workers as processes or as threads in this process (auto: the profile's)",
-    )
-    p.add_argument(
-        "--decode",
-        choices=["auto", *DECODE_DEVICES],
-        help="where JPEGs are decoded: cuda decodes each batch on the GPU (auto: the profile's)",
-    )
-    p.add_argument(
-        "--tune",
-        choices=list(TUNE_CHOICES),
-        help="auto: with no saved loader profile for this dataset on this machine, tune the "
-        "loader for a few seconds first and save the result; off: the default settings",
-    )
-    p.add_argument("--keep-last", type=int, help="step checkpoints kept (2), plus best.pt")
-    p.add_argument("--checkpoint-every", type=int, help="also checkpoint every N steps")
-    p.add_argument("--log-every", type=int, help="log the step loss every N steps (20)")
-    p.add_argument("--dist-timeout", type=float, help="seconds a rank waits for the others (600)")
-    p.add_argument(
-        "--max-nonfinite-steps",
-        type=int,
-        help="fail after N steps in a row with a non-finite loss (20)",
-    )
     p.set_defaults(handler=run_train)
-
-
-def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """The flags given on the command line, as config sections."""
-    out: dict[str, dict[str, Any]] = {}
-    for dest, (section, key) in config_flags().items():
-        value = getattr(args, dest, None)
-        if value is not None:
-            out.setdefault(section, {})[key] = value
-    return out
 
 
 def run_train(args: argparse.Namespace, console: Console) -> int:
@@ -123,9 +43,10 @@ def run_train(args: argparse.Namespace, console: Console) -> int:
     owns_process = "LOCAL_RANK" in os.environ or getattr(args, "argv", None) == sys.argv[1:]
     try:
         with startup_guard(owns_process=owns_process) as guard:
-            from dlpipe.train.config import load_config
+            from dlpipe.options import given_options
+            from dlpipe.train.config import TrainConfig, load_config
 
-            config = load_config(args.config, overrides(args))
+            config = load_config(args.config, given_options(args, TrainConfig))
             if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
                 return _preflight_and_launch(config, args, guard, console)
             return _train_here(config, console, guard)
@@ -174,9 +95,9 @@ def _failed(exc: BaseException, trainer: Any) -> int | None:
     A DataLoader worker's error is printed as its own message, not torch's wrapping of it;
     a rank whose collective failed because a second Ctrl-C stopped the others at once was
     stopped by that Ctrl-C too."""
-    from dlpipe.cli import printable
     from dlpipe.errors import DlpipeError
     from dlpipe.processes import original_message
+    from dlpipe.text import printable
     from dlpipe.train.distributed import DistributedError
     from dlpipe.train.signals import Interrupted
     from dlpipe.train.step import TrainingError
@@ -207,7 +128,7 @@ def _failed(exc: BaseException, trainer: Any) -> int | None:
 
 
 def _warn(text: str) -> None:
-    from dlpipe.cli import printable
+    from dlpipe.text import printable
 
     print(f"warning: {printable(text)}", file=sys.stderr)
 
@@ -246,11 +167,11 @@ def _tune_for_ranks(config: Any, nproc: int, console: Console) -> None:
     from dlpipe.train.trainer import train_loader_config
 
     d, r = config.data, config.run
-    if d.tune == "off" or d.num_workers is not None:
+    if d.tune == "off" or d.workers.num_workers is not None:
         return
     plan = plan_batches(r.batch_size, nproc, r.micro_batch)
     loader = train_loader_config(config, plan.micro_batch, "train")
-    decode = None if d.decode == "auto" else d.decode
+    decode = d.workers.chosen().get("decode")
     if nearest_profile(d.path, split=d.train_split, config=loader, decode=decode) is not None:
         return  # each rank finds it and says which
     _, why = training_profile(

@@ -1,8 +1,16 @@
 """The trainer's configuration: nested keyword-only dataclasses, a TOML file, CLI overrides.
 
-    [data]                      [model]              [optim]                 [run]
-    path = "data/pets-lmdb"     name = "resnet50"    optimizer = "sgd"       epochs = 90
-    image_size = 224            channels_last = true lr = 0.4                batch_size = 1024
+    [data]                   [data.loader]       [data.workers]     [model]            [run]
+    path = "data/pets-lmdb"  image_size = 224    num_workers = 8    name = "resnet50"  epochs = 90
+
+Each option is one field made with `dlpipe.options.option` (its default, help line and rule);
+the ``dlpipe train`` parser is generated from them, a flag per field. ``[data.loader]`` is the
+train loader's `LoaderConfig` itself: its option fields are the user's, its other fields (the
+batch size, transform and seed) the trainer sets from the run (`train_loader_config`), so a
+new `LoaderConfig` option is a flag and a key here unchanged. ``[data.workers]`` is its
+`WorkerSettings` as chosen (`WorkerChoices`; unset: the saved profile's). The flat keys of
+config files written before those sections (``[data] image_size = 224``, ``num_workers``,
+``engine``, ``decode``, ``min_crop_scale``) are read into them.
 
 Defaults < the TOML file (``--config``) < command-line flags. The resolved configuration, with
 every default filled in (the learning rate and weight decay too), is written to the run folder
@@ -16,23 +24,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import os
 import re
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import tomli_w
-
-from dlpipe import storage
-from dlpipe.errors import DlpipeError
-from dlpipe.loading.config import DECODE_DEVICES, ENGINES
+from dlpipe import options
+from dlpipe.loading.config import (
+    DECODE_DEVICES,
+    ENGINES,
+    MAX_PREFETCH_FACTOR,
+    LoaderConfig,
+    LoaderConfigError,
+)
 from dlpipe.machine import worker_limit
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from dlpipe.options import Checked, OptionError, int_in_range, option
 
 __all__ = [
     "BatchPlan",
@@ -42,9 +50,9 @@ __all__ = [
     "OptimConfig",
     "RunConfig",
     "TrainConfig",
+    "WorkerChoices",
     "load_config",
     "plan_batches",
-    "to_toml",
 ]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -62,65 +70,149 @@ MAX_LR = 100.0
 MAX_WEIGHT_DECAY = 10.0
 CLIP_GRAD_RANGE = (1e-6, 1e6)
 DIST_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # one second to one week
-MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 MODEL_NAME = re.compile(rf"^({_DOTTED}|{_DOTTED}:[A-Za-z_][A-Za-z0-9_]*)$")
+_PROFILE = "the saved profile's (dlpipe bench-loader)"
 
 
-class ConfigError(DlpipeError, ValueError):
+class ConfigError(OptionError):
     """A training option is malformed, unknown or inconsistent with another."""
 
 
 @dataclass(kw_only=True)
-class DataConfig:
-    path: str = ""
-    train_split: str = "train"
-    val_split: str = "val"  # "" trains without validation
-    image_size: int = 224
-    min_crop_scale: float = 0.08  # RandomResizedCrop's smallest area share (timm's --scale)
-    # None: the nearest saved profile of this machine, else a short tune (tune = "auto"),
-    # else all cores but one
-    num_workers: int | None = None
-    engine: str = "auto"  # "auto": the profile's, "processes" or "threads"
-    decode: str = "auto"  # "auto": the profile's (else cpu), "cpu" or "cuda"
-    tune: str = "auto"  # "auto": tune the loader for a few seconds when no saved profile fits
+class WorkerChoices(Checked):
+    """The train loader's `WorkerSettings` as the user chose them, field for field (its
+    ``num_workers`` is required there); a field left at its default here (None, ``"auto"``)
+    is the saved profile's, else a short tune's or `WorkerSettings`' default. `chosen` is
+    what the trainer passes as ``make_loader(workers=...)``."""
+
+    num_workers: int | None = option(
+        f"loader workers (default: {_PROFILE}, else a short tune, else all cores but one)",
+        default=None,
+    )
+    prefetch_factor: int | None = option(
+        f"batches each worker keeps ready (default: {_PROFILE}, else 2)",
+        default=None,
+        parse=int_in_range(1, MAX_PREFETCH_FACTOR),
+    )
+    pin_memory: bool | None = option(
+        f"batches in page-locked memory, for fast copies to a GPU (default: {_PROFILE})",
+        default=None,
+    )
+    persistent_workers: bool = option("keep the worker processes between epochs", default=True)
+    engine: str = option(
+        "loader workers as processes or as threads in this process (auto: the profile's)",
+        default="auto",
+        choices=("auto", *ENGINES),
+    )
+    decode: str = option(
+        "where JPEGs are decoded: cuda decodes each batch on the GPU (auto: the profile's)",
+        default="auto",
+        choices=("auto", *DECODE_DEVICES),
+    )
+    multiprocessing_context: str | None = option(
+        "how worker processes start (default: the platform's)",
+        default=None,
+        choices=tuple(multiprocessing.get_all_start_methods()),
+    )
+
+    def chosen(self) -> dict[str, Any]:
+        """The fields set to other than their defaults: `WorkerSettings` field → value."""
+        defaults = WorkerChoices()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(defaults, f.name)
+        }
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
-    name: str = "resnet18"  # a torchvision model name, or package.module:function
-    channels_last: bool = False
-    compile: bool = False
+class DataConfig(Checked):
+    path: str = option(
+        "dataset folder or URL (or [data] path in --config)", default="", flag="data"
+    )
+    train_split: str = option("the split to train on", default="train")
+    val_split: str = option(
+        'the split to validate on ("" trains without validation)', default="val"
+    )
+    tune: str = option(
+        "auto: with no saved loader profile for this dataset on this machine, tune the loader "
+        "for a few seconds first and save the result; off: the default settings",
+        default="auto",
+        choices=TUNE_CHOICES,
+    )
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    workers: WorkerChoices = field(default_factory=WorkerChoices)
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
-    optimizer: str = "sgd"
-    lr: float | None = None  # None: 0.1 x batch/256 (sgd), 5e-4 x batch/512 (adamw)
-    weight_decay: float | None = None  # None: 1e-4 (sgd), 0.05 (adamw)
-    momentum: float = 0.9
-    warmup_epochs: float = 1.0
-    clip_grad: float | None = None
-    label_smoothing: float = 0.0
+class ModelConfig(Checked):
+    name: str = option(
+        "a torchvision model name, or package.module:function (a factory taking num_classes=)",
+        default="resnet18",
+        name="model",
+    )
+    channels_last: bool = option("train in the channels-last memory format", default=False)
+    compile: bool = option("torch.compile the model", default=False)
 
 
 @dataclass(kw_only=True)
-class RunConfig:
-    epochs: int = 10
-    batch_size: int = 256  # global: samples per optimizer step over all ranks
-    micro_batch: int | None = None  # per rank and forward pass; None: batch_size / world size
-    precision: str = "auto"  # auto: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU
-    out: str = ""  # "": runs/{dataset}-{model}
-    resume: str = "auto"  # auto | none | a checkpoint path
-    seed: int = 0
-    max_steps: int | None = None
-    early_stop_patience: int | None = None
-    keep_last: int = 2
-    checkpoint_every_steps: int = 0  # 0: at the end of each epoch (and on SIGTERM) only
-    log_every_steps: int = 20
-    max_nonfinite_steps: int = 20
-    dist_timeout_s: float = 600.0  # how long a rank waits for the others in any collective
-    wandb: str | None = None
+class OptimConfig(Checked):
+    optimizer: str = option("the optimizer", default="sgd", choices=OPTIMIZERS)
+    lr: float | None = option(
+        "peak learning rate (default: 0.1 x batch/256 for sgd, 5e-4 x batch/512 for adamw)",
+        default=None,
+    )
+    weight_decay: float | None = option(
+        "weight decay (default: 1e-4 for sgd, 0.05 for adamw)", default=None
+    )
+    momentum: float = option("SGD momentum", default=0.9)
+    warmup_epochs: float = option("epochs of linear learning-rate warm-up", default=1.0)
+    clip_grad: float | None = option("max gradient norm (default: no clipping)", default=None)
+    label_smoothing: float = option("label smoothing of the loss", default=0.0)
+
+
+@dataclass(kw_only=True)
+class RunConfig(Checked):
+    epochs: int = option("epochs to train", default=10)
+    batch_size: int = option("global batch: samples per optimizer step over all ranks", default=256)
+    micro_batch: int | None = option(
+        "samples per rank and forward pass (default: batch size / ranks)", default=None
+    )
+    precision: str = option(
+        "auto: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on the CPU",
+        default="auto",
+        choices=PRECISIONS,
+    )
+    out: str = option("run folder (default: runs/{dataset}-{model})", default="")
+    resume: str = option("auto (newest valid checkpoint), none, or a .pt path", default="auto")
+    seed: int = option("seeds the model, the order and the augmentation", default=0)
+    max_steps: int | None = option("stop (with a checkpoint) after N steps", default=None)
+    early_stop_patience: int | None = option(
+        "stop after N epochs without a val-loss gain", default=None
+    )
+    keep_last: int = option("step checkpoints kept, plus best.pt", default=2)
+    checkpoint_every_steps: int = option(
+        "also checkpoint every N steps (0: at the end of each epoch and on SIGTERM only)",
+        default=0,
+        flag="--checkpoint-every",
+        metavar="N",
+    )
+    log_every_steps: int = option(
+        "log the step loss every N steps", default=20, flag="--log-every", metavar="N"
+    )
+    max_nonfinite_steps: int = option(
+        "fail after N steps in a row with a non-finite loss", default=20
+    )
+    dist_timeout_s: float = option(
+        "seconds a rank waits for the others in any collective",
+        default=600.0,
+        flag="--dist-timeout",
+        metavar="SECONDS",
+    )
+    wandb: str | None = option(
+        "also log to this Weights & Biases project", default=None, metavar="PROJECT"
+    )
 
 
 @dataclass(kw_only=True)
@@ -130,8 +222,15 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        """The options as nested sections, as in ``config.toml`` (None for the unset)."""
+        out: dict[str, Any] = {}
+        for spec, value in options.iter_options(self):
+            node = out
+            for part in spec.path[:-1]:
+                node = node.setdefault(part, {})
+            node[spec.attr] = value
+        return out
 
     def resolved(self) -> TrainConfig:
         """A copy with every derived default filled in (run folder, lr, weight decay)."""
@@ -156,21 +255,20 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Reject values no run can use, naming the option and the fix."""
-        d, m, o, r = self.parts()
+        d, m, _, r = self.parts()
         _require(bool(d.path), "no dataset given: pass DATA or set [data] path in --config")
         _require(
             bool(MODEL_NAME.match(m.name)),
             f"--model {m.name!r} is not a torchvision model name (e.g. resnet18) nor "
             "package.module:function (a factory taking num_classes=)",
         )
-        _choice("run.precision", r.precision, PRECISIONS)
-        _choice("optim.optimizer", o.optimizer, OPTIMIZERS)
         self._validate_counts()
         self._validate_numbers()
+        self._validate_loader()
         _require(
-            d.image_size <= MAX_IMAGE_SIZE,
-            f"data.image_size = {d.image_size} is above {MAX_IMAGE_SIZE}: give the crop side in "
-            "pixels (224 for ImageNet models)",
+            d.loader.image_size <= MAX_IMAGE_SIZE,
+            f"data.image_size = {d.loader.image_size} is above {MAX_IMAGE_SIZE}: give the crop "
+            "side in pixels (224 for ImageNet models)",
         )
         _require(
             0 <= r.seed < 2**32, f"run.seed = {r.seed} must be in 0..{2**32 - 1} (NumPy's range)"
@@ -181,9 +279,8 @@ class TrainConfig:
         )
 
     def _validate_counts(self) -> None:
-        d, _, _, r = self.parts()
+        r = self.run
         for name, value, most in (
-            ("data.image_size", d.image_size, None),  # its own message below
             ("run.epochs", r.epochs, MAX_EPOCHS),
             ("run.batch_size", r.batch_size, MAX_BATCH_SIZE),
             ("run.micro_batch", r.micro_batch, MAX_BATCH_SIZE),
@@ -205,20 +302,33 @@ class TrainConfig:
     def _validate_workers(self) -> None:
         """An explicit worker count must be one this machine can run (cores, memory, open
         files): 100,000 workers in a run folder's config.toml would fork until it fell over."""
-        d = self.data
-        if d.num_workers is None:
+        w = self.data.workers
+        if w.num_workers is None:
             return
-        _require(d.num_workers >= 0, f"data.num_workers = {d.num_workers} must not be negative")
-        limit = worker_limit(threads=d.engine == "threads")
+        _require(w.num_workers >= 0, f"data.num_workers = {w.num_workers} must not be negative")
+        limit = worker_limit(threads=w.engine == "threads")
         _require(
-            d.num_workers <= limit.workers,
-            f"data.num_workers = {d.num_workers} is more loader workers than this machine can "
+            w.num_workers <= limit.workers,
+            f"data.num_workers = {w.num_workers} is more loader workers than this machine can "
             f"run ({limit.workers}: {limit.reason}); set --num-workers to at most {limit.workers}, "
             "or leave it unset for the bench-loader profile or the default",
         )
 
+    def _validate_loader(self) -> None:
+        """The loader fields that are not options are the trainer's to set: refuse a
+        `LoaderConfig` given in Python that sets one (it would be overwritten unseen)."""
+        loader, default = self.data.loader, LoaderConfig()
+        for f in dataclasses.fields(LoaderConfig):
+            value = getattr(loader, f.name)
+            _require(
+                "help" in f.metadata or value == getattr(default, f.name),
+                f"data.loader.{f.name} = {value!r} is set by the trainer from the run "
+                f"(the batch from run.batch_size, the seed from run.seed, the transform and "
+                "order from the split); leave it at its default",
+            )
+
     def _validate_numbers(self) -> None:
-        d, _, o, r = self.parts()
+        _, _, o, r = self.parts()
         for name, number in (
             ("optim.lr", o.lr),
             ("optim.weight_decay", o.weight_decay),
@@ -226,7 +336,6 @@ class TrainConfig:
             ("optim.momentum", o.momentum),
             ("optim.clip_grad", o.clip_grad),
             ("optim.label_smoothing", o.label_smoothing),
-            ("data.min_crop_scale", d.min_crop_scale),
             ("run.dist_timeout_s", r.dist_timeout_s),
         ):
             _require(
@@ -247,23 +356,6 @@ class TrainConfig:
         if o.clip_grad is not None:
             _in_range("optim.clip_grad", o.clip_grad, CLIP_GRAD_RANGE, "a gradient norm")
         _require(0 <= o.momentum < 1, f"optim.momentum = {o.momentum} must be in [0, 1)")
-        _require(
-            d.engine in ("auto", *ENGINES),
-            f"data.engine = {d.engine!r} must be auto, processes or threads (the loader's workers)",
-        )
-        _require(
-            d.decode in ("auto", *DECODE_DEVICES),
-            f"data.decode = {d.decode!r} must be auto, cpu or cuda (where JPEGs are decoded)",
-        )
-        _require(
-            d.tune in TUNE_CHOICES,
-            f"data.tune = {d.tune!r} must be auto or off (whether a run without a fitting "
-            "saved loader profile tunes the loader first)",
-        )
-        _require(
-            0 < d.min_crop_scale <= 1,
-            f"data.min_crop_scale = {d.min_crop_scale} must be in (0, 1]",
-        )
         _require(
             0 <= o.label_smoothing < 1,
             f"optim.label_smoothing = {o.label_smoothing} must be in [0, 1)",
@@ -300,107 +392,49 @@ def plan_batches(batch_size: int, world_size: int, micro_batch: int | None) -> B
     return BatchPlan(batch_size, world_size, micro, per_rank // micro)
 
 
-def load_config(path: str | None, overrides: dict[str, dict[str, Any]]) -> TrainConfig:
-    """Defaults, then the TOML file at `path`, then `overrides` ({section: {key: value}})."""
-    config = TrainConfig()
-    if path:
-        _apply(config, _read_toml(path), f"config file {path}")
-    _apply(config, overrides, "the command line")
-    return config
+def load_config(path: str | None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at `path`, then `overrides`: option names → values (the
+    flags given, `dlpipe.options.given_options`), or sections as in the file
+    (``{"run": {"epochs": 3}}``).
 
-
-def _read_toml(path: str) -> dict[str, Any]:
-    """The TOML file at `path`: a regular file of at most `MAX_CONFIG_BYTES`, UTF-8, parsed
-    (a FIFO would hang, /dev/zero read without end, a value nested 100,000 deep recurse)."""
+    Raises:
+        ConfigError: the file cannot be read, or a key is unknown or a value of the wrong type
+            or breaking its rule (named).
+    """
     try:
-        with storage.open_regular(path) as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
-    except storage.NotRegularFileError as exc:
-        raise ConfigError(f"--config {path} is {exc.kind}; give the TOML file") from None
-    except OSError as exc:
-        raise ConfigError(f"--config {path} cannot be read ({exc.strerror or exc})") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(
-            f"config file {path} is over {MAX_CONFIG_BYTES >> 20} MiB; a training config is a "
-            "few [section] key = value lines: give that file"
-        )
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
-            f"offset {exc.start}); TOML files are UTF-8: save it as UTF-8"
-        ) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(
-            f"config file {path} nests arrays or tables too deeply to read; a training config "
-            "is [section] key = value lines with plain values: fix the file"
-        ) from None
+        values = _values(options.read_toml(path), path) if path else {}
+        values.update(_values(overrides or {}, "(the options given)"))
+        return options.build_config(TrainConfig, values)
+    except (OptionError, LoaderConfigError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
-def _apply(config: TrainConfig, values: dict[str, Any], source: str) -> None:
-    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    for section, items in values.items():
-        if section not in sections or not isinstance(items, dict):
-            raise ConfigError(
-                f"{source}: unknown section [{_cut(section)}]; sections are "
-                + ", ".join(f"[{s}]" for s in sections)
-            )
-        part = sections[section]
-        known = {f.name: f for f in dataclasses.fields(part)}
-        for key, value in items.items():
-            if key not in known:
-                raise ConfigError(
-                    f"{source}: [{section}] has no key {_shown(key)}; keys are {', '.join(known)}"
-                )
-            setattr(part, key, _typed(value, known[key], f"{source}: [{section}] {key}"))
+def _values(table: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The options a TOML table sets, as option name → checked value (`dlpipe.options`'
+    rules, with the flat keys of a section moved to where they live: `_nested`)."""
+    nested = _nested(table, (), options.option_specs(TrainConfig))
+    return options.table_options(nested, TrainConfig, source)
 
 
-def _typed(value: Any, spec: dataclasses.Field[Any], what: str) -> Any:
-    """Check a TOML value against the field's declared type (ints widen to floats)."""
-    kinds = str(spec.type).replace(" ", "").split("|")
-    if value is None and "None" in kinds:
-        return None
-    if isinstance(value, bool):
-        if "bool" in kinds:
-            return value
-    elif isinstance(value, int) and "int" in kinds:
-        return value
-    elif isinstance(value, (int, float)) and "float" in kinds:
-        return float(value)
-    elif isinstance(value, str) and "str" in kinds:
-        return value
-    expected = " or ".join(k for k in kinds if k != "None")
-    raise ConfigError(f"{what} = {_shown(value)} must be {expected}")
-
-
-def _shown(value: Any) -> str:
-    """`value`'s repr, cut to 80 characters (a TOML array can be megabytes long)."""
-    try:
-        return _cut(repr(value))
-    except RecursionError:
-        return f"a deeply nested {type(value).__name__}"
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def to_toml(config: TrainConfig) -> str:
-    """The configuration as TOML (written by ``tomli_w``; unset optional values, which TOML
-    cannot hold, are listed as comments at the end of their section)."""
-    blocks = []
-    for section, items in config.to_dict().items():
-        text = tomli_w.dumps({section: {k: v for k, v in items.items() if v is not None}})
-        unset = "".join(f"# {key} = (unset)\n" for key, value in items.items() if value is None)
-        blocks.append(text + unset)
-    return "\n".join(blocks)
+def _nested(
+    table: Mapping[str, Any], at: tuple[str, ...], specs: list[options.OptionSpec]
+) -> dict[str, Any]:
+    """`table` (the section at `at`) with each key that is the flat name of an option of a
+    section below it moved there: ``[data] image_size = 224``, as config files said it before
+    ``[data.loader]``, is ``[data.loader] image_size = 224``."""
+    below = {s.name: s for s in specs if s.path[: len(at)] == at and len(s.path) > len(at) + 1}
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            out.setdefault(key, {}).update(_nested(value, (*at, key), specs))
+        elif at and key in below:
+            node = out
+            for part in below[key].path[len(at) : -1]:
+                node = node.setdefault(part, {})
+            node[below[key].attr] = value
+        else:
+            out[key] = value
+    return out
 
 
 def _require(condition: bool, message: str) -> None:
@@ -424,7 +458,3 @@ def _in_range(name: str, value: float, bounds: tuple[float, float], unit: str) -
         low <= value <= high,
         f"{name} = {value} must be in [{low:g}, {high:g}] ({unit})",
     )
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, f"{name} = {value!r} must be one of {', '.join(allowed)}")

@@ -23,9 +23,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from dlpipe import storage
+from dlpipe.options import config_toml
 from dlpipe.train import checkpoint as ckpt
 from dlpipe.train import preflight
-from dlpipe.train.config import TrainConfig, to_toml
+from dlpipe.train.config import TrainConfig
 
 __all__ = [
     "CONFIG_NAME",
@@ -83,7 +84,7 @@ def set_aside_newer(config: TrainConfig, step: int, console: Console) -> None:
 def write_resume_config(config: TrainConfig) -> None:
     """``RUN/config.toml``: this run's config with ``resume = "auto"`` and no ``max_steps``."""
     os.makedirs(config.run.out, exist_ok=True)
-    text = to_toml(config.for_resume()).encode()
+    text = config_toml(config.for_resume()).encode()
     storage.atomic_write_bytes(os.path.join(config.run.out, CONFIG_NAME), text)
 
 

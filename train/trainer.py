@@ -31,9 +31,10 @@ from dlpipe.errors import SplitTooSmallError
 from dlpipe.loading.config import LoaderConfig
 from dlpipe.loading.loader import make_loader
 from dlpipe.loading.profile import LoaderProfile
+from dlpipe.options import config_toml, iter_options
 from dlpipe.train import checkpoint as ckpt
 from dlpipe.train import preflight, progress, resume, runfolder
-from dlpipe.train.config import TrainConfig, plan_batches, to_toml
+from dlpipe.train.config import TrainConfig, plan_batches
 from dlpipe.train.counters import EarlyStopping, RunCounters
 from dlpipe.train.distributed import DistributedError, init_distributed, watch_parent
 from dlpipe.train.metrics import EvalResult
@@ -166,13 +167,11 @@ class Trainer:
         profile: LoaderProfile | str | None = "auto"
         if transform == "train":
             profile, self.loader_source = self._train_profile(config)
-        given = {"num_workers": d.num_workers, "engine": d.engine, "decode": d.decode}
-        workers = {k: v for k, v in given.items() if v not in (None, "auto")}
         return make_loader(
             d.path,
             split,
             config,
-            workers=workers,
+            workers=d.workers.chosen(),
             profile=profile,
             rank=self.dist.rank,
             world_size=self.dist.world_size,
@@ -186,8 +185,8 @@ class Trainer:
         from dlpipe.loading.tune import training_profile
 
         d = self.config.data
-        if d.num_workers is not None:
-            return "auto", f"given: --num-workers {d.num_workers}"
+        if d.workers.num_workers is not None:
+            return "auto", f"given: --num-workers {d.workers.num_workers}"
         ranks = self.dist.world_size > 1
         why_not = "--tune off" if d.tune == "off" else _RANKS_DO_NOT_TUNE
         profile, why = training_profile(
@@ -197,13 +196,12 @@ class Trainer:
             tune=d.tune == "auto" and not ranks,
             why_not=why_not,
             device=self.dist.device.type,
-            decode=None if d.decode == "auto" else d.decode,
+            decode=d.workers.chosen().get("decode"),
             announce=lambda text: self.console.print(escape(text)),
         )
-        given = [
-            f"--{k} {v}" for k, v in (("engine", d.engine), ("decode", d.decode)) if v != "auto"
-        ]
-        return profile, why + "".join(f"; {flag} given" for flag in given)
+        flags = {spec.name: spec.flag for spec, _ in iter_options(d.workers)}
+        given = d.workers.chosen().items()
+        return profile, why + "".join(f"; {flags[name]} {value} given" for name, value in given)
 
     def _val_loader(self) -> Any:
         warn = self.warn if self.dist.is_main else (lambda text: None)
@@ -343,7 +341,7 @@ class Trainer:
         self.console.print(progress.epoch_line(record, self.config.run.epochs, self.counters.step))
         d = self.config.data
         cuda = self.dist.device.type == "cuda"
-        micro, size, scale = self.plan.micro_batch, d.image_size, d.min_crop_scale
+        micro, size, scale = self.plan.micro_batch, d.loader.image_size, d.loader.min_crop_scale
         advice = progress.input_verdict(wait, d.path, micro, size, scale, cuda)
         if advice:
             self.console.print(f"  {escape(advice)}")
@@ -400,7 +398,7 @@ class Trainer:
 
     def _announce(self) -> None:
         d = self.config.data
-        text = to_toml(self.config)
+        text = config_toml(self.config)
         if self.dist.is_main:  # what the printed resume command reads
             runfolder.write_resume_config(self.config)
         total = self.config.run.epochs * self.steps_per_epoch
@@ -454,15 +452,10 @@ _RANKS_DO_NOT_TUNE = (
 
 def train_loader_config(config: TrainConfig, micro_batch: int, transform: str) -> LoaderConfig:
     """The `LoaderConfig` of a run's loaders (`transform` ``"train"`` or ``"eval"``): the
-    one its profiles are keyed by, here and in the ``--nproc-per-node`` launcher."""
-    d = config.data
-    return LoaderConfig(
-        batch_size=micro_batch,
-        transform=transform,
-        image_size=d.image_size,
-        min_crop_scale=d.min_crop_scale,
-        seed=config.run.seed,
-    )
+    one its profiles are keyed by, here and in the ``--nproc-per-node`` launcher. The run's
+    ``[data.loader]`` with what the trainer sets: the micro-batch, the transform, the seed."""
+    loader = config.data.loader
+    return loader.replace(batch_size=micro_batch, transform=transform, seed=config.run.seed)
 
 
 def _take(batches: Iterator[Any], count: int) -> list[Any]:

@@ -1,12 +1,15 @@
 """The shard formats, one module each, and their registry.
 
 A prepared dataset's reader is chosen from the ``format`` its manifest names, never from file
-extensions. Add a format by writing one module with a `ShardFormat` and registering it here.
+extensions. Add a format by writing one module with a `ShardFormat`, registering it here, and
+naming its shard suffix and version in `dlpipe.dataset_names`, where the manifest parser reads
+them without importing any format module (or lmdb and h5py).
 """
 
 from __future__ import annotations
 
-from dlpipe.errors import ManifestError, UnsupportedStorageError
+from dlpipe.dataset_names import check_format
+from dlpipe.errors import UnsupportedStorageError
 from dlpipe.formats.base import (
     SampleCountError,
     ShardDiskFullError,
@@ -36,17 +39,8 @@ FORMATS: dict[str, ShardFormat] = {fmt.name: fmt for fmt in (WDS, LMDB, HDF5)}
 
 def get_format(name: str, version: int | None = None) -> ShardFormat:
     """The registered format called `name`; checks `version` when given (from a manifest)."""
-    if name not in FORMATS:
-        raise ManifestError(
-            f"format {name!r} is unknown; dlpipe reads {', '.join(sorted(FORMATS))}"
-        )
-    fmt = FORMATS[name]
-    if version is not None and version != fmt.version:
-        raise ManifestError(
-            f"format {name!r} version {version} is not the version {fmt.version} this dlpipe "
-            "reads; upgrade dlpipe or re-convert the dataset"
-        )
-    return fmt
+    check_format(name, version)
+    return FORMATS[name]
 
 
 def require_storage(fmt: ShardFormat, path: str) -> None:

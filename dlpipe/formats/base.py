@@ -10,8 +10,9 @@ file it is (it cannot be told from one). Format modules add their own structural
 
 A format module implements `ShardFileWriter` (add samples to one local file, close it) and
 `ShardReader` (open lazily, iterate, and for random-access formats `get`), then registers a
-`ShardFormat`. Rotation, temp names, fsync, sha256 and manifest entries live here and in
-`dlpipe.formats.writer`, never in a format module.
+`ShardFormat`. Temp names, fsync, sha256 and shard entries live here, rotation in
+`dlpipe.formats.writer`, the manifest with its owner `dlpipe.formats.output`: never in a format
+module.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from dlpipe import storage
+from dlpipe.dataset_names import FORMAT_VERSIONS, SHARD_SUFFIXES
 from dlpipe.errors import DlpipeError, InvalidFieldError, ShardCorruptError
 from dlpipe.manifest import ShardInfo
 from dlpipe.sample import KEY_FIELD, Sample, check_field_name, sample_fields
@@ -101,6 +103,14 @@ class ShardFormat:
     reader: type[ShardReader]
     random_access: bool
     supports_urls: bool
+
+    def __post_init__(self) -> None:
+        named = (SHARD_SUFFIXES.get(self.name), FORMAT_VERSIONS.get(self.name))
+        if named != (self.suffix, self.version):
+            raise TypeError(
+                f"format {self.name!r} has suffix {self.suffix!r} and version {self.version}, "
+                f"but dlpipe.dataset_names says {named}: name it there too"
+            )
 
     def shard_name(self, split: str, index: int) -> str:
         return f"{split}-{index:06d}{self.suffix}"

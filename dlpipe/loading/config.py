@@ -27,6 +27,7 @@ from typing import Any
 
 from dlpipe.errors import DlpipeError
 from dlpipe.machine import usable_cpus, worker_limit
+from dlpipe.options import area_share, int_in_range, option
 
 __all__ = [
     "LoaderArgumentError",
@@ -85,8 +86,18 @@ class LoaderConfig:
 
     batch_size: int = 64
     transform: Transform = "auto"
-    image_size: int = 224
-    min_crop_scale: float = 0.08
+    # the fields made with `option` are a user's choices: each is also a ``dlpipe train`` flag
+    # and a [data.loader] key (its other fields, the trainer sets from the run)
+    image_size: int = option(
+        "the crop side of the image transforms, in pixels",
+        default=224,
+        parse=int_in_range(1, MAX_IMAGE_SIZE),
+    )
+    min_crop_scale: float = option(
+        "the smallest share of the image area a train crop keeps",
+        default=0.08,
+        parse=area_share,
+    )
     shuffle: bool | None = None
     seed: int = 0
     drop_last: bool | None = None

@@ -36,7 +36,7 @@ import torch.utils.data
 
 from dlpipe import storage
 from dlpipe.errors import DlpipeError
-from dlpipe.formats import ShardReader, get_format, require_storage
+from dlpipe.formats import ShardFormat, ShardReader, get_format, require_storage
 from dlpipe.loading.order import StreamOrder, reader_part
 from dlpipe.manifest import (
     MANIFEST_NAME,
@@ -228,9 +228,10 @@ class ShardReaders(Sequence[CheckedReader]):
     Pickles without the readers made so far (a DataLoader worker makes its own).
     """
 
-    def __init__(self, folder: str, manifest: Manifest, split: str, stamp: ManifestStamp) -> None:
-        self.folder, self.stamp = folder, stamp
-        self.format = get_format(manifest.format, manifest.format_version)
+    def __init__(
+        self, folder: str, manifest: Manifest, split: str, stamp: ManifestStamp, fmt: ShardFormat
+    ) -> None:
+        self.folder, self.stamp, self.format = folder, stamp, fmt
         self.shards = manifest.split(split).shards
         self.fields, self.num_classes = list(manifest.fields_of(split)), len(manifest.classes)
         self._made: dict[int, CheckedReader] = {}
@@ -295,6 +296,7 @@ class PreparedDataset:
         manifest: Manifest,
         split: str,
         *,
+        fmt: ShardFormat,
         stamp: ManifestStamp,
         rank: int,
         world_size: int,
@@ -306,7 +308,7 @@ class PreparedDataset:
         self.rank, self.world_size = rank, world_size
         self.transform = transform
         self.stamp = stamp
-        self.readers = ShardReaders(path, manifest, split, stamp)
+        self.readers = ShardReaders(path, manifest, split, stamp, fmt)
         self.shard_samples = [s.samples for s in manifest.split(split).shards]
         counts = np.asarray(self.shard_samples, dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
@@ -414,6 +416,5 @@ def open_dataset(
     require_storage(fmt, path)
     rank, world_size = resolve_rank(rank, world_size)
     cls = MapDataset if fmt.random_access else StreamDataset
-    return cls(
-        path, manifest, split, stamp=stamp, rank=rank, world_size=world_size, transform=transform
-    )
+    where = {"rank": rank, "world_size": world_size}
+    return cls(path, manifest, split, fmt=fmt, stamp=stamp, transform=transform, **where)

@@ -16,7 +16,9 @@ positions it holds, the loader's state is the runs given to the caller, and a st
 exactly with another ``num_workers`` (not another world size, or batch size: refused by name).
 Every batch is one worker's, so every rank yields ``len(loader)`` batches with nothing merged
 in the main process. Which batch comes when depends on ``num_workers``; the samples of the
-epoch do not.
+epoch do not. The loader drives both orders through one pass contract
+(`dlpipe.loading.order.PassOrder`) over the view, order and options `plan_view` makes for the
+dataset's kind, so nothing here branches on the format.
 
 The worker settings also choose the engine (torch's worker processes, or the thread engine of
 `dlpipe.loading.threads`: the 0-worker loader with each sample's transform on a pool of
@@ -37,15 +39,13 @@ each for one release, with one FutureWarning (`dlpipe.loading.config.loader_argu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-
-import torch
-import torch.utils.data
 
 from dlpipe.errors import DlpipeError
 from dlpipe.loading.config import (
@@ -56,14 +56,15 @@ from dlpipe.loading.config import (
     default_workers,
     loader_arguments,
 )
-from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset, open_dataset
-from dlpipe.loading.order import EpochSampler, Run, StreamOrder, merge_runs
+from dlpipe.loading.dataset import PreparedDataset, open_dataset
+from dlpipe.loading.order import PassOrder, PassProgress, Run
 from dlpipe.loading.profile import LoaderProfile, select_profile
 from dlpipe.loading.stages import Stages, make_stages
 from dlpipe.loading.state import require_equal, require_fields
 from dlpipe.loading.threads import one_torch_thread
+from dlpipe.loading.torch_private import HookedDataLoader, shutdown_workers
 from dlpipe.loading.transforms import ImageTransform, image_field
-from dlpipe.loading.views import MapView, StreamView
+from dlpipe.loading.views import ViewPlan, plan_view
 from dlpipe.processes import stop_signals_blocked
 
 __all__ = ["PreparedLoader", "StaleIteratorError", "make_loader"]
@@ -103,34 +104,18 @@ class StaleIteratorError(DlpipeError, RuntimeError):
     """An iterator made before `PreparedLoader.load_state_dict` was asked for a batch."""
 
 
-class _Pass:
-    """The pass a loader is in: where it began and what it has yielded to the caller."""
-
-    def __init__(self, order: EpochSampler | StreamOrder) -> None:
-        self.epoch = order.epoch
-        self.batches = 0
-        if isinstance(order, EpochSampler):
-            self.start, self.drawn, self.left = order.start, order.drawn, order.remaining()
-        else:
-            self.base, self.workers, self.consumed = order.base, order.workers, order.consumed
-
-    def state(self, order: EpochSampler | StreamOrder, batch_size: int) -> dict[str, Any]:
-        if isinstance(order, EpochSampler):
-            drawn = self.drawn + min(self.batches * batch_size, self.left)
-            return order.state_at(self.epoch, self.start, drawn)
-        return order.state_at(self.epoch, self.base, self.workers, self.consumed)
-
-
-class PreparedLoader(torch.utils.data.DataLoader):
+class PreparedLoader(HookedDataLoader):
     """A DataLoader whose order and state are dlpipe's own (see the module docstring), whose
     workers never die of a stop signal meant for the main process, and whose `close` ends them.
 
+    It drives its order through the one pass contract of both kinds (`PassOrder`), and its
+    DataLoader yields `Piece` s of either view, so nothing here depends on the format.
     ``len(loader)`` is the exact number of batches this rank yields in a whole epoch.
     """
 
     def __init__(
         self,
-        dataset: Any,
+        plan: ViewPlan,
         stages: Stages,
         settings: WorkerSettings,
         origin: str,
@@ -138,35 +123,21 @@ class PreparedLoader(torch.utils.data.DataLoader):
     ) -> None:
         self.settings = settings  # what `options` were made from (`settings_line`)
         self.origin = origin  # where the settings came from: `_worker_settings`
-        self._stream = isinstance(dataset, StreamView)
         self._stages = stages
-        if self._stream:  # the workers batch
-            self._batch_size, self._drop_last = options.pop("batch_size"), options.pop("drop_last")
-            options.pop("collate_fn", None)
-            options["batch_size"] = None
-        super().__init__(dataset, **options)
-        if not self._stream:
-            self._batch_size = options["batch_size"]
-        order = dataset.order if self._stream else self.sampler
-        assert isinstance(order, EpochSampler | StreamOrder)
-        self.order: EpochSampler | StreamOrder = order
-        prepared: PreparedDataset = dataset.dataset
-        self._identity = {"dataset": prepared.stamp.sha256, "split": prepared.split}
-        self._pass: _Pass | None = None
+        super().__init__(plan.view, **plan.options, **options)
+        self.order: PassOrder = plan.order
+        self._identity = {"dataset": plan.dataset.stamp.sha256, "split": plan.dataset.split}
+        self._pass: PassProgress | None = None
         self._inner: Any = None  # the DataLoader iterator of the pass (its workers)
         self._generation = 0
 
     def __len__(self) -> int:
-        if not self._stream:
-            return super().__len__()
-        samples, size = len(self.order), self._batch_size
-        return samples // size if self._drop_last else -(-samples // size)
+        return self.order.batch_count()
 
-    def check_worker_number_rationality(self) -> None:
+    def warns_about_workers(self) -> bool:
         """torch's warning about more workers than cores, unless a saved profile's worker
         count is used: ``bench-loader`` measured that count fastest on this machine."""
-        if self.origin != "profile":
-            super().check_worker_number_rationality()
+        return self.origin != "profile"
 
     def settings_line(self) -> str:
         """``engine=processes num_workers=12 decode=cpu prefetch_factor=2 pin_memory=True
@@ -174,36 +145,30 @@ class PreparedLoader(torch.utils.data.DataLoader):
         ``bench-loader`` saved; ``defaults``: none saved for this config; ``given``)."""
         return f"{self.settings.line()} ({self.origin})"
 
-    def _get_iterator(self) -> Any:
+    def starting_iterator(self) -> contextlib.AbstractContextManager[None]:
+        """Workers start with the stop signals blocked (`_ignore_stop_signals`)."""
         if self.num_workers == 0:
-            return super()._get_iterator()
+            return contextlib.nullcontext()
         context = self.multiprocessing_context
-        with stop_signals_blocked(start_method=context.get_start_method() if context else None):
-            return super()._get_iterator()
+        return stop_signals_blocked(start_method=context.get_start_method() if context else None)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """One pass: the loaded state's, else the next epoch after a pass begun (each
         ``iter(loader)`` is a pass, whether or not batches were drawn from the last one)."""
         if self._pass is not None:
             self.order.abandon()
-        self.order.begin()
-        if isinstance(self.order, StreamOrder):  # the workers take this split with them
-            self.order.split_for(max(self.num_workers, 1))
-        progress = _Pass(self.order)
+        progress = self.order.start_pass(max(self.num_workers, 1))
         inner = super().__iter__()
-        if isinstance(self.order, StreamOrder) and self.num_workers > 0:
-            self.order.take(self.num_workers)  # the workers took the pass with them
+        self.order.started(self.num_workers)
         self._pass, self._inner = progress, inner
         threads = self._stages.threads
-        source = inner if threads is None else threads.batches(inner)
-        # (batch, the stream runs it holds): a stream's state moves when the caller gets it
-        batches = source if self._stream else ((b, []) for b in source)
+        pieces: Iterator[Any] = inner if threads is None else threads.batches(inner)
         if self._stages.device is not None:
-            batches = self._stages.device.batches(batches)
-        return self._counted(_on_one_torch_thread(batches), progress, self._generation)
+            pieces = self._stages.device.batches(pieces)
+        return self._counted(_on_one_torch_thread(pieces), progress, self._generation)
 
     def _counted(
-        self, batches: Iterator[tuple[Any, list[Run]]], progress: _Pass, generation: int
+        self, pieces: Iterator[tuple[Any, list[Run]]], progress: PassProgress, generation: int
     ) -> Iterator[Any]:
         while True:
             if generation != self._generation:
@@ -212,36 +177,26 @@ class PreparedLoader(torch.utils.data.DataLoader):
                     "applies to the next pass: call iter(loader) (or start the for loop) again"
                 )
             try:
-                batch, runs = next(batches)
+                batch, runs = next(pieces)
             except StopIteration:
                 break
-            self._note(progress, runs)
-            progress.batches += 1
+            progress.given(runs)  # the state moves when the caller gets the batch
             yield batch
         if generation == self._generation:
             self._pass = None
             self.order.finish()
 
-    @staticmethod
-    def _note(progress: _Pass, runs: list[Run]) -> None:
-        if runs:
-            progress.consumed = merge_runs(progress.consumed + runs)
-
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: the epoch, seed and position (samples consumed globally, or
         the stream runs given for wds), plus the dataset's identity; plain data."""
-        if self._pass is None:
-            state = self.order.state_dict()
-        else:
-            state = self._pass.state(self.order, self._batch_size)
+        state = self.order.state_dict() if self._pass is None else self._pass.state()
         return {**state, **self._identity}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at `state` from the next ``iter(loader)`` on (see the module docstring).
 
-        Every field is checked before anything changes (`EpochSampler.load_state_dict`,
-        `StreamOrder.load_state_dict`: types, ranges, whole batches), so a refused state
-        leaves the loader where it was.
+        Every field is checked before anything changes (`PassOrder.load_pass_state`: types,
+        ranges, whole batches), so a refused state leaves the loader where it was.
 
         Raises:
             StateMismatchError: a field that is not a position of this loader (named, with
@@ -252,12 +207,9 @@ class PreparedLoader(torch.utils.data.DataLoader):
         fix = "load a state saved by a loader of the same dataset and split"
         for name, value in self._identity.items():
             require_equal(saved, name, value, "loader", fix)
-        if isinstance(self.order, EpochSampler):
-            self.order.load_state_dict(dict(saved), batches=True)
-        else:
-            self.order.load_state_dict(dict(saved))
+        self.order.load_pass_state(dict(saved))
         self._pass, self._generation = None, self._generation + 1
-        if self._stream:
+        if self.order.restarts_workers:
             self.close()  # persistent workers hold the old position: the next pass restarts them
 
     def close(self) -> None:
@@ -266,11 +218,8 @@ class PreparedLoader(torch.utils.data.DataLoader):
         them behind)."""
         if self._stages.threads is not None:
             self._stages.threads.close()
-        for iterator in (getattr(self, "_iterator", None), self._inner):
-            shutdown = getattr(iterator, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-        self._iterator = self._inner = None
+        shutdown_workers(self, self._inner)
+        self._inner = None
 
 
 def make_transform(config: LoaderConfig, dataset: PreparedDataset) -> Callable[..., Any] | None:
@@ -372,32 +321,21 @@ def make_loader(
     settings, origin = _worker_settings(base, profile, where, **changes)
     dataset = open_dataset(path, split, rank=rank, world_size=world_size)
     fn, stages = make_stages(settings, config, make_transform(config, dataset))
-    shuffle, seed, batch_size = bool(config.shuffle), config.seed, config.batch_size
-    drop_last = bool(config.drop_last)
-    options: dict[str, Any] = {
-        "batch_size": batch_size,
-        "collate_fn": stages.dataloader_collate,
-        "drop_last": drop_last,
-        **settings.dataloader_options(),
-    }
+    options: dict[str, Any] = settings.dataloader_options()
     if settings.num_workers > 0:
         options["worker_init_fn"] = _ignore_stop_signals
-    placement: dict[str, Any] = {"rank": dataset.rank, "world_size": dataset.world_size}
-    placement |= {"shuffle": shuffle, "seed": seed}
-    if isinstance(dataset, MapDataset):
-        sampler = EpochSampler(len(dataset), drop_last=drop_last, block=batch_size, **placement)
-        mapped = MapView(dataset, fn)
-        return PreparedLoader(mapped, stages, settings, origin, sampler=sampler, **options)
-    assert isinstance(dataset, StreamDataset)
-    view = StreamView.build(
+    plan = plan_view(
         dataset,
         fn,
-        batch_size=batch_size,
-        drop_last=drop_last,
         collate_fn=stages.dataloader_collate,
-        **placement,
+        batch_size=config.batch_size,
+        drop_last=bool(config.drop_last),
+        shuffle=bool(config.shuffle),
+        seed=config.seed,
+        rank=dataset.rank,
+        world_size=dataset.world_size,
     )
-    return PreparedLoader(view, stages, settings, origin, **options)
+    return PreparedLoader(plan, stages, settings, origin, **options)
 
 
 _warned = False  # the old keywords' FutureWarning was shown in this process

@@ -16,9 +16,12 @@ One module decides which samples a reader takes and in what order, for both kind
   state is the runs of stream positions given to the caller, so it resumes with any worker
   count; the rank ranges depend on the world size, so another world size is refused.
 
-Both take a pass the same way: each pass over an order is one epoch; a pass begun and not
-finished is abandoned by the next one (the next epoch starts, as with a DataLoader), and a
-loaded state is the next pass. `worker_part` and `reader_part` name this process's place.
+Both take a pass the same way, through one contract a loader drives (`PassOrder`, shaped
+like torchdata.nodes' ``reset(state)`` / ``next()`` / ``get_state()``): each pass over an order
+is one epoch; a pass begun and not finished is abandoned by the next one (the next epoch
+starts, as with a DataLoader), and a loaded state is the next pass. The pass under way is a
+`PassProgress`: told of each batch the caller gets, it gives the state at that batch.
+`worker_part` and `reader_part` name this process's place.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator, Sequence, Set
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch.utils.data
@@ -46,6 +49,8 @@ from dlpipe.sample import Sample
 
 __all__ = [
     "EpochSampler",
+    "PassOrder",
+    "PassProgress",
     "Run",
     "Segment",
     "StreamOrder",
@@ -69,6 +74,75 @@ def reader_part(rank: int, world_size: int) -> tuple[int, int]:
     """(index, count) of this reader among all ranks x workers."""
     worker, workers = worker_part()
     return rank * workers + worker, world_size * workers
+
+
+Run = tuple[int, int]
+"""Positions ``[start, stop)`` of an epoch's stream."""
+
+
+class PassProgress(Protocol):
+    """A pass under way, as its caller sees it (the torchdata ``get_state()`` side)."""
+
+    def given(self, runs: Sequence[Run]) -> None:
+        """One more batch reached the caller; `runs`: the stream positions it holds (none
+        for a map-style order, which counts whole batches)."""
+
+    def state(self) -> dict[str, Any]:
+        """The order's state after the batches given (what `PassOrder.load_pass_state`
+        takes)."""
+
+
+@runtime_checkable
+class PassOrder(Protocol):
+    """One pass contract for both sample orders (`EpochSampler`, `StreamOrder`), as a loader
+    drives them: `start_pass` is torchdata.nodes' ``reset(state)`` (to the loaded state, else
+    the next epoch), the DataLoader's batches are its ``next()``, and the returned
+    `PassProgress` gives ``get_state()`` at each batch the caller got.
+
+    Attributes:
+        epoch: the epoch of the pass begun, or of the next one.
+        restarts_workers: whether persistent workers must restart for a loaded state to take
+            effect (they read a copy of the order taken when they started).
+    """
+
+    epoch: int
+    restarts_workers: bool
+
+    def dataloader_options(self) -> dict[str, Any]:
+        """The DataLoader options that pass over this order (its sampler and batching)."""
+
+    def batch_count(self) -> int:
+        """The batches this rank yields in a whole epoch (a loader's ``len``)."""
+
+    def start_pass(self, readers: int) -> PassProgress:
+        """Fix the next pass (a loaded state, else the next epoch after one begun), to be
+        read by `readers` readers (the DataLoader's workers, or this process)."""
+
+    def started(self, workers: int) -> None:
+        """The DataLoader made its iterator; `workers` worker processes (0: none) took a copy
+        of the pass `start_pass` fixed."""
+
+    def abandon(self) -> None:
+        """The pass begun is dropped unfinished: `start_pass` starts the next epoch."""
+
+    def finish(self) -> None:
+        """The pass is over: the next one is the next epoch (no-op if already so)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state between passes."""
+
+    def load_pass_state(self, state: dict[str, Any]) -> None:
+        """Make a loader's saved state (whole batches given) the next pass, every field
+        checked before anything changes.
+
+        Raises:
+            StateMismatchError: a field that is not a position of this order (named).
+        """
+
+
+def _batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
+    """Batches of `batch_size` in `samples`: whole ones only with `drop_last`."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
 
 
 def _permutation(shuffle: bool, seed: int, epoch: int, count: int) -> np.ndarray:
@@ -113,6 +187,7 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.block = block
+        self.restarts_workers = False  # it draws in this process: workers hold no position
         self.epoch = 0
         self.start = 0  # samples of this epoch's permutation consumed (globally) before the pass
         self.drawn = 0  # this rank's indices drawn in this pass
@@ -162,6 +237,26 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
     def remaining(self) -> int:
         """This rank's indices left in the pass `begin` fixed."""
         return len(self.indices(self.epoch, self.start)) - self.drawn
+
+    def dataloader_options(self) -> dict[str, Any]:
+        """The DataLoader draws from this sampler, ``block`` samples to a batch."""
+        return {"sampler": self, "batch_size": self.block, "drop_last": self.drop_last}
+
+    def batch_count(self) -> int:
+        """This rank's batches of ``block`` per (whole) epoch."""
+        return _batch_count(len(self), self.block, self.drop_last)
+
+    def start_pass(self, readers: int) -> PassProgress:
+        """`begin` the next pass (any number of `readers`: the indices are drawn here)."""
+        self.begin()
+        return _SamplerPass(self)
+
+    def started(self, workers: int) -> None:
+        """Nothing to note: the sampler stays in this process and draws the pass itself."""
+
+    def load_pass_state(self, state: dict[str, Any]) -> None:
+        """`load_state_dict` of a loader's state: at a batch boundary or the pass's end."""
+        self.load_state_dict(state, batches=True)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         self.begin()
@@ -243,8 +338,20 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         return epoch, samples, partial
 
 
-Run = tuple[int, int]
-"""Positions ``[start, stop)`` of an epoch's stream."""
+class _SamplerPass:
+    """A pass of an `EpochSampler` as the caller gets it: batches of ``block`` indices."""
+
+    def __init__(self, sampler: EpochSampler) -> None:
+        self.sampler, self.epoch = sampler, sampler.epoch
+        self.start, self.drawn, self.left = sampler.start, sampler.drawn, sampler.remaining()
+        self.batches = 0
+
+    def given(self, runs: Sequence[Run]) -> None:
+        self.batches += 1
+
+    def state(self) -> dict[str, Any]:
+        drawn = self.drawn + min(self.batches * self.sampler.block, self.left)
+        return self.sampler.state_at(self.epoch, self.start, drawn)
 
 
 class Segment(NamedTuple):
@@ -366,6 +473,7 @@ class StreamOrder:
         self.shard_sizes = [int(n) for n in shard_sizes]
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
         self.batch_size, self.equal_shares = batch_size, equal_shares
+        self.restarts_workers = True  # persistent workers read a copy taken at their start
         self.epoch = 0
         self.base = [self.rank_range()]  # what this pass's readers split
         self.workers = 1  # how many split it
@@ -428,6 +536,30 @@ class StreamOrder:
         """The pass is over: the next one is the next epoch (no-op if already so)."""
         if not self.armed:
             self.begin()
+
+    def dataloader_options(self) -> dict[str, Any]:
+        """The DataLoader batches nothing: each reader sends its own whole batches."""
+        return {"batch_size": None}
+
+    def batch_count(self) -> int:
+        """This rank's batches per epoch (the last one short in evaluation)."""
+        return _batch_count(len(self), self.batch_size, self.equal_shares)
+
+    def start_pass(self, readers: int) -> PassProgress:
+        """`begin` the next pass and `split_for` its `readers`."""
+        self.begin()
+        self.split_for(readers)
+        return _StreamPass(self)
+
+    def started(self, workers: int) -> None:
+        """The workers took the pass with them (`take`); with none, this process takes it
+        as it reads."""
+        if workers > 0:
+            self.take(workers)
+
+    def load_pass_state(self, state: dict[str, Any]) -> None:
+        """`load_state_dict`: the runs a loader gave are whole batches by construction."""
+        self.load_state_dict(state)
 
     def read(
         self, sources: Sequence[ShardSource], segments: Sequence[Segment], epoch: int
@@ -637,3 +769,18 @@ class StreamOrder:
                 f"batch of {self.batch_size} for each of {self.world_size} ranks; use a "
                 "smaller batch size or fewer ranks"
             )
+
+
+class _StreamPass:
+    """A pass of a `StreamOrder` as the caller gets it: the runs of each batch given."""
+
+    def __init__(self, order: StreamOrder) -> None:
+        self.order, self.epoch, self.base = order, order.epoch, order.base
+        self.workers, self.consumed = order.workers, order.consumed
+
+    def given(self, runs: Sequence[Run]) -> None:
+        if runs:
+            self.consumed = merge_runs([*self.consumed, *runs])
+
+    def state(self) -> dict[str, Any]:
+        return self.order.state_at(self.epoch, self.base, self.workers, self.consumed)

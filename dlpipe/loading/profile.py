@@ -31,7 +31,7 @@ SHA-256 of the dataset's absolute path or URL. Schema version 1::
       "profiles": [
         {"num_workers": 4, "prefetch_factor": 2, "pin_memory": true,
          "persistent_workers": true, "engine": "processes", "decode": "cpu",
-         "samples_per_s": 1234.5,
+         "multiprocessing_context": null, "samples_per_s": 1234.5,
          "machine": {"cpus": 16, "gpu": "NVIDIA H200", "torch": "2.4.0"},
          "loader": {"split": "train", "batch_size": 256, "transform": "train",
                     "image_size": 224, "min_crop_scale": 0.08},  # null unless "train"
@@ -39,14 +39,17 @@ SHA-256 of the dataset's absolute path or URL. Schema version 1::
       ]
     }
 
-A ``loader`` key without ``min_crop_scale`` (written before the tuner measured the crop scale)
-was measured with the default crop, 0.08, and is read as such; a profile without ``engine``
-(written before the thread engine) is a ``processes`` one, and one without ``decode`` decodes
-on the CPU.
+The settings' keys are `WorkerSettings`' fields, written and read by introspection: a field
+added there is stored with no change here, and a profile without a field's key (written
+before the field existed: ``engine`` before the thread engine, ``decode`` before GPU decode)
+takes the field's default (``processes``, ``cpu``). A ``loader`` key without
+``min_crop_scale`` (written before the tuner measured the crop scale) was measured with the
+default crop, 0.08, and is read as such.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -61,7 +64,6 @@ from dlpipe.errors import DlpipeError
 from dlpipe.loading.config import (
     MAX_BATCH_SIZE,
     MAX_IMAGE_SIZE,
-    MAX_PREFETCH_FACTOR,
     LoaderConfig,
     LoaderConfigError,
     WorkerSettings,
@@ -128,14 +130,8 @@ class LoaderProfile:
 
     def to_json(self) -> dict[str, Any]:
         """The profile as stored: the settings' fields at the top level, then the rest."""
-        s = self.settings
         return {
-            "num_workers": s.num_workers,
-            "prefetch_factor": s.prefetch_factor,
-            "pin_memory": s.pin_memory,
-            "persistent_workers": s.persistent_workers,
-            "engine": s.engine,
-            "decode": s.decode,
+            **dataclasses.asdict(self.settings),
             "samples_per_s": self.samples_per_s,
             "machine": dict(self.machine),
             "loader": dict(self.loader),
@@ -144,18 +140,13 @@ class LoaderProfile:
 
     @classmethod
     def from_json(cls, data: Any) -> LoaderProfile:
-        """Parse one profile object; `ProfileError` says which key breaks which rule."""
+        """Parse one profile object; `ProfileError` says which key breaks which rule. A
+        `WorkerSettings` field the profile lacks (it was written before the field existed)
+        takes the field's default."""
         if not isinstance(data, dict):
             raise ProfileError("a profile is not a JSON object")
         try:
-            settings = WorkerSettings(
-                num_workers=_count(data["num_workers"], "num_workers", MAX_NUM_WORKERS),
-                prefetch_factor=_prefetch(data["prefetch_factor"]),
-                pin_memory=_flag(data["pin_memory"], "pin_memory"),
-                persistent_workers=_flag(data["persistent_workers"], "persistent_workers"),
-                engine=data.get("engine", "processes"),  # profiles before the thread engine
-                decode=data.get("decode", "cpu"),  # and before the GPU decode
-            )
+            settings = _settings(data)
             return cls(
                 settings=settings,
                 samples_per_s=_rate(data["samples_per_s"]),
@@ -517,23 +508,22 @@ def _parse(data: Any) -> list[LoaderProfile]:
     return [LoaderProfile.from_json(p) for p in profiles]
 
 
+def _settings(data: dict[str, Any]) -> WorkerSettings:
+    """A profile's worker settings: each `WorkerSettings` field from its key (checked by
+    `WorkerSettings`' rules, the worker count also against `MAX_NUM_WORKERS`), or its default
+    when the key is missing."""
+    fields = dataclasses.fields(WorkerSettings)
+    for f in fields:  # a required field: the profile says nothing without it
+        if f.default is dataclasses.MISSING and f.name not in data:
+            raise KeyError(f.name)
+    settings = WorkerSettings(**{f.name: data[f.name] for f in fields if f.name in data})
+    _count(settings.num_workers, "num_workers", MAX_NUM_WORKERS)
+    return settings
+
+
 def _count(value: Any, what: str, most: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
         raise ProfileError(f"{what} {value!r} is not an integer in 0..{most}")
-    return value
-
-
-def _prefetch(value: Any) -> int | None:
-    if value is not None and (_count(value, "prefetch_factor", MAX_PREFETCH_FACTOR) < 1):
-        raise ProfileError(
-            f"prefetch_factor {value!r} is not null or an integer in 1..{MAX_PREFETCH_FACTOR}"
-        )
-    return value
-
-
-def _flag(value: Any, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ProfileError(f"{what} {value!r} is not true or false")
     return value
 
 

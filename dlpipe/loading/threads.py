@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data._utils.pin_memory import pin_memory
 
+from dlpipe.loading.torch_private import pin_batch
 from dlpipe.loading.views import Piece, apply_transform, collate
 from dlpipe.sample import Sample
 
@@ -63,9 +63,9 @@ class ThreadEngine:
         """`transform` as the view's transform: each call queues it on the pool."""
         return Deferred(transform, self)
 
-    def batches(self, items: Iterator[Any]) -> Iterator[Any]:
-        """The DataLoader's pending batches (or stream pieces) resolved in order."""
-        return ahead(items, self.depth, self.pin, self.collate)
+    def batches(self, pieces: Iterator[Piece]) -> Iterator[Piece]:
+        """The DataLoader's pieces, their pending batches resolved in order."""
+        return ahead(pieces, self.depth, self.pin, self.collate)
 
     def close(self) -> None:
         """Drop the queued transforms and let the threads end (a later pass starts anew)."""
@@ -177,33 +177,23 @@ def collate_pending(items: list[Future[Any]]) -> PendingBatch:
     return PendingBatch(list(items))
 
 
-def _resolve(item: Any, collate: Callable[[list[Any]], Any]) -> Any:
-    """A pending batch (or a stream piece holding one) collated."""
-    if isinstance(item, PendingBatch):
-        return collate([future.result() for future in item.futures])
-    if isinstance(item, Piece):
-        return Piece(_resolve(item.batch, collate), item.runs)
-    return item
+def _resolve(piece: Piece, collate: Callable[[list[Any]], Any], pin: bool) -> Piece:
+    """A piece's pending batch collated, and pinned when `pin`."""
+    pending: PendingBatch = piece.batch
+    batch = collate([future.result() for future in pending.futures])
+    return Piece(pin_batch(batch) if pin else batch, piece.runs)
 
 
 def ahead(
-    items: Iterator[Any], depth: int, pin: bool, collate: Callable[[list[Any]], Any] = collate
-) -> Iterator[Any]:
-    """`items` resolved in order by `collate`, drawn `depth` items ahead (their transforms
-    already queued); batches pinned when `pin` (what torch's pin-memory thread does for
-    worker batches)."""
-    window: deque[Any] = deque()
-    for item in items:
-        window.append(item)
+    pieces: Iterator[Piece], depth: int, pin: bool, collate: Callable[[list[Any]], Any] = collate
+) -> Iterator[Piece]:
+    """`pieces` with their pending batches resolved in order by `collate`, drawn `depth`
+    pieces ahead (their transforms already queued); batches pinned when `pin` (what torch's
+    pin-memory thread does for worker batches)."""
+    window: deque[Piece] = deque()
+    for piece in pieces:
+        window.append(piece)
         if len(window) > depth:
-            yield _pinned(_resolve(window.popleft(), collate), pin)
+            yield _resolve(window.popleft(), collate, pin)
     while window:
-        yield _pinned(_resolve(window.popleft(), collate), pin)
-
-
-def _pinned(item: Any, pin: bool) -> Any:
-    if not pin:
-        return item
-    if isinstance(item, Piece):
-        return Piece(pin_memory(item.batch), item.runs)
-    return pin_memory(item)
+        yield _resolve(window.popleft(), collate, pin)

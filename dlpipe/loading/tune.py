@@ -39,6 +39,7 @@ and GPU decode on a GPU), on its own first batches, and saves the winner for the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -56,7 +57,7 @@ from dlpipe._version import __version__
 from dlpipe.errors import SplitTooSmallError
 from dlpipe.jpeg_seek import restart_layout
 from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
-from dlpipe.loading.dataset import open_dataset
+from dlpipe.loading.dataset import MapDataset, StreamDataset, open_dataset
 from dlpipe.loading.profile import (
     LoaderProfile,
     ProfileSaveError,
@@ -76,7 +77,6 @@ from dlpipe.machine import (
     usable_cpus,
     worker_limit,
 )
-from dlpipe.manifest import read_manifest
 
 __all__ = [
     "BenchConfig",
@@ -157,35 +157,37 @@ class StageRates:
 
 @dataclass
 class Trial:
-    num_workers: int
-    prefetch_factor: int | None
-    pin_memory: bool
+    """One worker setting the search measured, and what it measured.
+
+    Attributes:
+        settings: the `WorkerSettings` measured (the loader's own, field for field).
+        samples_per_s: the throughput after the warm-up.
+        worker_rss_bytes: the worker processes' memory (their proportional set size).
+        skipped: why the setting was not measured (it would not fit), or None.
+        first_batch_s: from ``iter()`` to the first batch: the workers' start-up.
+        cpu_us_per_sample: this process's threads and its workers, while measured.
+    """
+
+    settings: WorkerSettings
     samples_per_s: float = 0.0
     worker_rss_bytes: int = 0
     skipped: str | None = None
-    engine: str = "processes"
-    decode: str = "cpu"
-    first_batch_s: float = 0.0  # from iter() to the first batch: the workers' start-up
-    cpu_us_per_sample: float = 0.0  # this process's threads and its workers, while measured
-
-    def settings(self) -> WorkerSettings:
-        """The worker settings this trial measures (workers persist when there are any)."""
-        return WorkerSettings(
-            num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0 and self.engine == "processes",
-            engine=self.engine,
-            decode=self.decode,
-        )
+    first_batch_s: float = 0.0
+    cpu_us_per_sample: float = 0.0
 
     def describe(self) -> str:
         """``2 workers``, ``1 worker``, ``2 threads`` or ``the main process``."""
-        if self.engine == "threads":
-            return f"{self.num_workers} thread{'s' * (self.num_workers != 1)}"
-        if self.num_workers == 0:
+        count = self.settings.num_workers
+        if self.settings.engine == "threads":
+            return f"{count} thread{'s' * (count != 1)}"
+        if count == 0:
             return "the main process"
-        return f"{self.num_workers} worker{'s' * (self.num_workers != 1)}"
+        return f"{count} worker{'s' * (count != 1)}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings' fields and the measurements, in one flat object."""
+        measured = {k: v for k, v in dataclasses.asdict(self).items() if k != "settings"}
+        return {**dataclasses.asdict(self.settings), **measured}
 
 
 @dataclass
@@ -200,8 +202,8 @@ class BenchReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "stages": self.stages.__dict__,
-            "trials": [t.__dict__ for t in self.trials],
-            "best": self.best.__dict__ if self.best else None,
+            "trials": [t.to_json() for t in self.trials],
+            "best": self.best.to_json() if self.best else None,
             "bottleneck": self.bottleneck,
             "advice": self.advice,
         }
@@ -216,13 +218,16 @@ def _clock(iterable: Iterator[Any], seconds: float, minimum: int) -> tuple[list[
     return items, time.perf_counter() - start
 
 
-def measure_stages(config: BenchConfig, seconds: float = 2.0) -> StageRates:
-    """One process, stage by stage, on the first samples of the split, with the transform
-    the loader builds from the config."""
+def measure_stages(
+    config: BenchConfig, seconds: float = 2.0, dataset: MapDataset | StreamDataset | None = None
+) -> StageRates:
+    """One process, stage by stage, on the first samples of the split (`dataset`, if it is
+    open already), with the transform the loader builds from the config."""
     from dlpipe.loading.loader import make_transform
 
     batch_size = config.loader.batch_size
-    dataset = open_dataset(config.path, config.split, rank=0, world_size=1)
+    if dataset is None:
+        dataset = open_dataset(config.path, config.split, rank=0, world_size=1)
     transform = make_transform(config.loader, dataset)
     assert isinstance(transform, ImageTransform)  # BenchConfig admits image transforms only
     samples, read_s = _clock(iter(dataset), seconds, minimum=batch_size)
@@ -301,10 +306,13 @@ def run_trial(config: BenchConfig, trial: Trial, seconds: float) -> Trial:
         warnings.filterwarnings(
             "ignore", message=".*(num_workers|worker processes).*", category=UserWarning
         )
-        settings = trial.settings()
-        loader = make_loader(config.path, config.split, config=config.loader, workers=settings)
-        _measure(_batches(loader), trial, seconds)
-    _stop_workers(loader)
+        loader = make_loader(
+            config.path, config.split, config=config.loader, workers=trial.settings
+        )
+        try:
+            _measure(_batches(loader), trial, seconds)
+        finally:
+            loader.close()  # its workers end now, so they do not slow the next trial down
     return trial
 
 
@@ -315,7 +323,7 @@ def _measure(batches: Iterator[Any], trial: Trial, seconds: float) -> None:
     # warm-up: every worker process started and the first prefetch; threads share each
     # batch, so one more batch warms them all (W + 1 batches of 256 at a GIL-bound 450
     # samples/s on 16 threads was 10 s a trial)
-    warm_up = trial.num_workers + 1 if trial.engine == "processes" else 2
+    warm_up = trial.settings.num_workers + 1 if trial.settings.engine == "processes" else 2
     for _ in range(max(2, warm_up) - 1):
         next(batches)
     trial.worker_rss_bytes = _worker_rss()
@@ -342,15 +350,6 @@ def _own_memory() -> int:
     """This process's memory (proportional set size): the guess at a worker's until one is
     measured."""
     return proportional_set_size([os.getpid()])
-
-
-def _stop_workers(loader: Any) -> None:
-    """End a trial's persistent workers now, so they do not slow the next trial down."""
-    iterator = getattr(loader, "_iterator", None)
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
-    loader._iterator = None
 
 
 def _worker_counts(limit: int, cores: int) -> list[int]:
@@ -417,9 +416,10 @@ def search(
     def run(trial: Trial, seconds: float) -> Trial:
         nonlocal per_worker
         each = guess if per_worker is None else per_worker
-        needed = each * trial.num_workers if trial.engine == "processes" else 0.0
-        most = worker_limit(threads=trial.engine == "threads")
-        if trial.num_workers > most.workers:  # the loader would refuse it
+        workers, processes = trial.settings.num_workers, trial.settings.engine == "processes"
+        needed = each * workers if processes else 0.0
+        most = worker_limit(threads=not processes)
+        if workers > most.workers:  # the loader would refuse it
             trial.skipped = f"more workers than this machine can run ({most.reason})"
         elif needed > memory:
             trial.skipped = (
@@ -427,8 +427,8 @@ def search(
             )
         else:
             run_trial(config, trial, seconds)
-            if trial.num_workers and trial.engine == "processes":
-                measured = trial.worker_rss_bytes / trial.num_workers
+            if workers and processes:
+                measured = trial.worker_rss_bytes / workers
                 per_worker = max(per_worker or 0.0, measured)
         trials.append(trial)
         if on_trial is not None:
@@ -437,8 +437,12 @@ def search(
 
     # one worker process does no more than the main process alone, plus the IPC: left out
     # unless it is the most workers allowed
-    ladder = [Trial(n, 2 if n else None, False) for n in counts if n != 1 or limit == 1]
-    threads = [Trial(n, 2, False, engine="threads") for n in counts if n]
+    ladder = [
+        Trial(WorkerSettings(num_workers=n, prefetch_factor=2 if n else None))
+        for n in counts
+        if n != 1 or limit == 1
+    ]
+    threads = [Trial(WorkerSettings(num_workers=n, engine="threads")) for n in counts if n]
     share = budget.share(len(ladder), len(ladder) + len(threads) + last)
     best = _climb(run, ladder, cores, share)
     if threads:  # none with --max-workers 0
@@ -446,19 +450,19 @@ def search(
         fastest_thread = _climb(run, threads, cores, share)
         if fastest_thread.samples_per_s > best.samples_per_s:
             best = fastest_thread
-    if best.num_workers:
+    if best.settings.num_workers:
         for k, prefetch in enumerate(_PREFETCHES):
             if budget.spent():
                 break
-            trial = Trial(best.num_workers, prefetch, False, engine=best.engine)
+            trial = Trial(best.settings.replace(prefetch_factor=prefetch))
             run(trial, budget.window(last - k))
             if trial.skipped or trial.samples_per_s <= best.samples_per_s * 1.02:
                 break
             best = trial
     if gpu:  # run even when the time is spent: what decides CPU against GPU decode
-        settings = (best.num_workers, best.prefetch_factor, True)
-        run(Trial(*settings, engine=best.engine), budget.window(2))
-        run(Trial(*settings, engine=best.engine, decode="cuda"), budget.window(1))
+        pinned = best.settings.replace(pin_memory=True)
+        run(Trial(pinned), budget.window(2))
+        run(Trial(pinned.replace(decode="cuda")), budget.window(1))
     return trials
 
 
@@ -480,7 +484,10 @@ def _climb(
     def rate(rung: int) -> float:
         return -1.0 if measured[rung].skipped else measured[rung].samples_per_s
 
-    best = min(range(len(ladder)), key=lambda i: (abs(ladder[i].num_workers - cores), -i))
+    def workers(rung: int) -> int:
+        return ladder[rung].settings.num_workers
+
+    best = min(range(len(ladder)), key=lambda i: (abs(workers(i) - cores), -i))
     while measure(best).skipped:  # fewer workers may fit (the smallest rung always does)
         best -= 1
     while True:
@@ -496,13 +503,13 @@ def _climb(
     fine = sorted(i for i in measured if not measured[i].skipped)
     at = fine.index(best)
     sides = sorted(fine[max(at - 1, 0) : at] + fine[at + 1 : at + 2], key=rate, reverse=True)
-    counts = {t.num_workers for t in measured.values()}
+    counts = {t.settings.num_workers for t in measured.values()}
     for side in sides:
-        middle = (ladder[side].num_workers + ladder[best].num_workers) // 2
-        if budget.spent() or middle in counts or ladder[side].num_workers == 0:
+        middle = (workers(side) + workers(best)) // 2
+        if budget.spent() or middle in counts or workers(side) == 0:
             continue
         window = budget.window(len(ladder) - len(measured))
-        trial = run(Trial(middle, 2, False, engine=winner.engine), window)
+        trial = run(Trial(winner.settings.replace(num_workers=middle, prefetch_factor=2)), window)
         if not trial.skipped and trial.samples_per_s > winner.samples_per_s:
             winner = trial
     return winner
@@ -512,14 +519,15 @@ def bench_loader(
     config: BenchConfig, on_trial: Callable[[Trial], None] | None = None
 ) -> BenchReport:
     """Stages, search, verdict (see the module docstring); saves nothing (the CLI does)."""
-    samples = read_manifest(config.path).split(config.split).samples
+    dataset = open_dataset(config.path, config.split, rank=0, world_size=1)  # its one read
+    samples = len(dataset)
     if samples < config.loader.batch_size:
         raise SplitTooSmallError(
             f"{config.path} split {config.split!r} has {samples} samples, fewer than one batch "
             f"of {config.loader.batch_size}; lower --batch-size"
         )
     budget = _Budget(config.budget_s)
-    stages = measure_stages(config, seconds=min(max(config.budget_s / 20, 1.0), 5.0))
+    stages = measure_stages(config, min(max(config.budget_s / 20, 1.0), 5.0), dataset)
     report = BenchReport(config=config, stages=stages)
     report.trials = search(config, on_trial, budget)
     measured = [t for t in report.trials if not t.skipped]
@@ -540,7 +548,7 @@ def save_winner(report: BenchReport) -> str:
     best, cfg = report.best, report.config
     assert best is not None
     profile = LoaderProfile(
-        settings=best.settings(),
+        settings=best.settings,
         samples_per_s=best.samples_per_s,
         machine=machine_key(),
         loader=loader_key(cfg.split, cfg.loader),
@@ -622,7 +630,7 @@ def tune_now(
         trials = [t for t in search(bench) if not t.skipped]
     best = max(trials, key=lambda t: t.samples_per_s)
     profile = LoaderProfile(
-        settings=best.settings(),
+        settings=best.settings,
         samples_per_s=best.samples_per_s,
         machine=machine_key(),
         loader=loader_key(split, bench.loader),

@@ -16,10 +16,10 @@ __all__ = ["decode_verdict", "verdict"]
 def decode_verdict(trials: list[Trial]) -> str:
     """Why the GPU or the CPU decodes (empty when GPU decode was not measured)."""
     measured = [t for t in trials if not t.skipped]
-    gpu = [t for t in measured if t.decode == "cuda"]
+    gpu = [t for t in measured if t.settings.decode == "cuda"]
     if not gpu:
         return ""
-    cpu = max((t for t in measured if t.decode == "cpu"), key=lambda t: t.samples_per_s)
+    cpu = max((t for t in measured if t.settings.decode == "cpu"), key=lambda t: t.samples_per_s)
     fast = max(gpu, key=lambda t: t.samples_per_s)
     ratio = fast.samples_per_s / max(cpu.samples_per_s, 1e-9)
     kept = "GPU decode kept" if ratio > 1 else "CPU decode kept"
@@ -63,7 +63,7 @@ def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tup
         )
     else:
         advice = f"collate-bound: batching is {share:.0f}% of the per-sample time"
-    if best.samples_per_s < 0.7 * single * cores and best.num_workers >= cores:
+    if best.samples_per_s < 0.7 * single * cores and best.settings.num_workers >= cores:
         advice += (
             f"; the loader reaches {rate}, {best.samples_per_s / (single * cores):.0%} of "
             f"{cores} cores x one process's {single:.0f} samples/s"

@@ -2,8 +2,12 @@
 
 - `MapView` (lmdb, hdf5): ``view[(epoch, index)]``, the indices drawn by `EpochSampler`.
 - `StreamView` (wds): each worker reads its stretch of whole batches along `StreamOrder` and
-  sends them collated (`Piece`), each with the runs of stream positions it holds, which the
-  loader counts into its state when the caller gets the batch.
+  sends them collated, each with the runs of stream positions it holds, which the loader
+  counts into its state when the caller gets the batch.
+
+Either way the DataLoader yields `Piece` s (a batch and its runs; a map-style batch has none),
+and `plan_view` pairs a dataset with its view, its order (`PassOrder`) and the DataLoader
+options that order needs: one function per kind of dataset, in `VIEW_PLANS`.
 
 `apply_transform` gives an `ImageTransform` (and the thread engine's `Deferred`) the epoch and
 index that seed its augmentation, so a resumed loader crops a sample as the uninterrupted one
@@ -18,22 +22,35 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.utils.data
-from torch.utils.data._utils.collate import (  # the registry default_collate documents
-    collate as collate_with,
-)
-from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
-from dlpipe.loading.dataset import MapDataset, StreamDataset
-from dlpipe.loading.order import Run, StreamOrder, position_runs, worker_part
+from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset
+from dlpipe.loading.order import (
+    EpochSampler,
+    PassOrder,
+    Run,
+    StreamOrder,
+    position_runs,
+    worker_part,
+)
+from dlpipe.loading.torch_private import (
+    collate_tensors,
+    collate_with,
+    default_collate_fns,
+    shared_memory_like,
+)
 from dlpipe.sample import KEY_FIELD, Sample
 
 __all__ = [
+    "VIEW_PLANS",
     "MapView",
     "Piece",
+    "PieceCollate",
     "StreamView",
+    "ViewPlan",
     "apply_transform",
     "collate",
     "memory_order",
+    "plan_view",
     "stack_in_memory_order",
 ]
 
@@ -53,11 +70,22 @@ class MapView(torch.utils.data.Dataset):
 
 
 class Piece(NamedTuple):
-    """What a stream worker sends: a collated batch and the runs of stream positions its
-    samples are (the loader's state counts them when the caller gets the batch)."""
+    """What a loader's DataLoader yields: a collated batch and the runs of stream positions
+    its samples are (the loader's state counts them when the caller gets the batch; none
+    for a map-style batch)."""
 
     batch: Any
     runs: list[Run]
+
+
+class PieceCollate:
+    """A map-style DataLoader's collate: `collate`'s batch as a `Piece` with no runs."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list[Any]) -> Piece:
+        return Piece(self.collate(samples), [])
 
 
 class StreamView(torch.utils.data.IterableDataset):
@@ -127,7 +155,7 @@ def collate(batch: list[Any]) -> Any:
     (`stack_in_memory_order`): channels-last train crops make a channels-last batch."""
     if batch and isinstance(batch[0], dict):
         return batch  # raw samples: a list of dicts
-    return collate_with(batch, collate_fn_map=_COLLATE_FNS)
+    return collate_with(batch, _COLLATE_FNS)
 
 
 def memory_order(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -151,17 +179,71 @@ def stack_in_memory_order(
     stacking into the standard order would transpose every sample."""
     first = batch[0]
     if first.layout != torch.strided or first.is_nested or first.device.type != "cpu":
-        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # it names the error
+        return collate_tensors(batch, collate_fn_map)  # it names the error
     order = memory_order(first)
     if order == tuple(range(first.dim())) or any(memory_order(t) != order for t in batch):
-        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        return collate_tensors(batch, collate_fn_map)
     permuted = [tensor.permute(order) for tensor in batch]
     out = None
     if torch.utils.data.get_worker_info() is not None:  # as collate_tensor_fn does
-        storage = first._typed_storage()._new_shared(len(batch) * first.numel())
-        out = first.new(storage).resize_(len(batch), *permuted[0].shape)
+        out = shared_memory_like(first, (len(batch), *permuted[0].shape))
     stacked = torch.stack(permuted, 0, out=out)
     return stacked.permute(0, *(d + 1 for d in _inverse(order)))
 
 
-_COLLATE_FNS = {**default_collate_fn_map, torch.Tensor: stack_in_memory_order}
+_COLLATE_FNS = {**default_collate_fns(), torch.Tensor: stack_in_memory_order}
+
+
+class ViewPlan(NamedTuple):
+    """What a loader iterates: the view its DataLoader runs (of `dataset`), the order that
+    passes over it and the DataLoader options they need (sampler, batching, collate)."""
+
+    dataset: PreparedDataset
+    view: torch.utils.data.Dataset[Any]
+    order: PassOrder
+    options: dict[str, Any]
+
+
+Transform = Callable[..., Any] | None
+Collate = Callable[[list[Any]], Any]
+
+
+def _map_plan(
+    dataset: MapDataset, transform: Transform, collate_fn: Collate, **placement: Any
+) -> ViewPlan:
+    """lmdb, hdf5: the main process draws indices (`EpochSampler`), the DataLoader batches
+    them, ``batch_size`` a block."""
+    block = placement.pop("batch_size")
+    sampler = EpochSampler(len(dataset), block=block, **placement)
+    options = sampler.dataloader_options() | {"collate_fn": PieceCollate(collate_fn)}
+    return ViewPlan(dataset, MapView(dataset, transform), sampler, options)
+
+
+def _stream_plan(
+    dataset: StreamDataset, transform: Transform, collate_fn: Collate, **placement: Any
+) -> ViewPlan:
+    """wds: each reader follows the `StreamOrder` and sends its own collated batches."""
+    view = StreamView.build(dataset, transform, collate_fn=collate_fn, **placement)
+    return ViewPlan(dataset, view, view.order, view.order.dataloader_options())
+
+
+VIEW_PLANS: dict[type[PreparedDataset], Callable[..., ViewPlan]] = {
+    MapDataset: _map_plan,
+    StreamDataset: _stream_plan,
+}
+"""Each kind of dataset `open_dataset` makes → the function that plans its view and order."""
+
+
+def plan_view(
+    dataset: PreparedDataset, transform: Transform, *, collate_fn: Collate, **placement: Any
+) -> ViewPlan:
+    """The view, order and DataLoader options of a loader over `dataset` (`VIEW_PLANS`).
+
+    Args:
+        dataset: an opened split.
+        transform: run on each sample by the view.
+        collate_fn: makes a batch of transformed samples.
+        **placement: the order's ``batch_size``, ``drop_last``, ``rank``, ``world_size``,
+            ``shuffle`` and ``seed``.
+    """
+    return VIEW_PLANS[type(dataset)](dataset, transform, collate_fn, **placement)

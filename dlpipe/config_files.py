@@ -1,0 +1,163 @@
+"""Options in TOML files: `read_config_file` reads a ``--config`` file into flat option names,
+`config_toml` and `write_config_file` write a config back, every section in full.
+
+Keys follow the dataclass nesting (``[source]`` then ``image_col = "path"``); an option's flat
+name is also accepted at the top level. A config file is untrusted input: a regular file of at
+most `MAX_CONFIG_BYTES`, UTF-8; an unknown key is refused with the keys there are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import tomli_w
+
+from dlpipe import storage
+from dlpipe.option_specs import OptionError, OptionSpec, _cut, option_specs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "config_toml",
+    "read_config_file",
+    "read_toml",
+    "table_options",
+    "write_config_file",
+]
+
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few hundred bytes
+
+
+def read_config_file(path: str, cls: type) -> dict[str, Any]:
+    """The options a TOML file sets for `cls`, as flat name → checked value.
+
+    Keys follow the dataclass nesting (``[source]`` then ``image_col = "path"``); an option's
+    flat name is also accepted at the top level. The file is read as untrusted input: a
+    regular file of at most `MAX_CONFIG_BYTES`, UTF-8.
+
+    Raises:
+        OptionError: the file cannot be read or parsed, a key is unknown (named, with the keys
+            there are), or a value breaks its option's rule.
+    """
+    return table_options(read_toml(path), cls, path)
+
+
+def table_options(table: Mapping[str, Any], cls: type, source: str) -> dict[str, Any]:
+    """The options a TOML table (as `read_toml` gives it) sets for `cls`, as flat name →
+    checked value; `source` names the table in errors (`read_config_file`'s rules)."""
+    values: dict[str, Any] = {}
+    _take(table, (), option_specs(cls), source, values)
+    return values
+
+
+def _take(
+    table: Mapping[str, Any],
+    at: tuple[str, ...],
+    specs: list[OptionSpec],
+    path: str,
+    values: dict[str, Any],
+) -> None:
+    here = {s.path[-1]: s for s in specs if s.path[:-1] == at}
+    if not at:
+        here = {s.name: s for s in specs} | here
+    sections = {
+        s.path[len(at)] for s in specs if s.path[: len(at)] == at and len(s.path) > len(at) + 1
+    }
+    for key, value in table.items():
+        where = ".".join((*at, key))
+        if isinstance(value, Mapping) and key in sections:
+            _take(value, (*at, key), specs, path, values)
+        elif key in here and not isinstance(value, Mapping):
+            spec = here[key]
+            problem = spec.problem(value)
+            if problem is not None:
+                raise OptionError(f"config file {path}: {where} = {_cut(repr(value))}: {problem}")
+            values[spec.name] = spec.check(value)
+        else:
+            raise OptionError(
+                f"config file {path}: unknown key {_cut(where)!r}; {_known(at, specs)}"
+            )
+
+
+def _known(at: tuple[str, ...], specs: list[OptionSpec]) -> str:
+    """The keys a table at `at` takes, for an unknown key's message: its own options, then its
+    sections (at the top also any option's flat name, too many to list)."""
+    below = [s.path[len(at) :] for s in specs if s.path[: len(at)] == at]
+    options = [rest[0] for rest in below if len(rest) == 1]  # in the config's own order
+    sections = list(dict.fromkeys(f"[{'.'.join((*at, r[0]))}]" for r in below if len(r) > 1))
+    where = "there" if at else "at the top"
+    flat = f" (or any option's own name, e.g. {specs[-1].name})" if not at and specs else ""
+    return f"the keys {where} are {', '.join(options + sections)}{flat}"
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """The TOML file at `path`: a regular file of at most `MAX_CONFIG_BYTES`, UTF-8, parsed
+    (a FIFO would hang, /dev/zero read without end, a value nested 100,000 deep recurse)."""
+    try:
+        with storage.open_regular(path) as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise OptionError(f"--config {path}: no such file; give a TOML file") from None
+    except storage.NotRegularFileError as exc:
+        raise OptionError(f"--config {path} is {exc.kind}; give the TOML file") from None
+    except OSError as exc:
+        raise OptionError(f"--config {path} cannot be read ({exc.strerror or exc})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise OptionError(
+            f"config file {path} is over {MAX_CONFIG_BYTES >> 20} MiB; a config is a few "
+            "key = value lines: give that file"
+        )
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise OptionError(
+            f"config file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise OptionError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise OptionError(
+            f"config file {path} nests arrays or tables too deeply to read; a config is "
+            "key = value lines with plain values: fix the file"
+        ) from None
+
+
+def config_toml(config: Any, *, omit: Collection[str] = ()) -> str:
+    """`config`'s options as TOML, every section in full (an unset optional value, which TOML
+    cannot hold, is a comment); `read_config_file` reads it back to the same config. The
+    options named in `omit` (flat names) are left out, and a section left empty with them."""
+    return _toml_of(config, (), frozenset(omit))
+
+
+def write_config_file(dest: str, config: Any, *, omit: Collection[str] = ()) -> None:
+    """Write `config` as TOML (`config_toml`) to `dest`, a path or URL: to a temp name in the
+    same folder, then renamed, so the file appears whole or not at all."""
+    storage.atomic_write_bytes(dest, config_toml(config, omit=omit).encode("utf-8"))
+
+
+def _toml_of(config: Any, at: tuple[str, ...], omit: frozenset[str]) -> str:
+    hints = typing.get_type_hints(type(config))
+    plain: dict[str, Any] = {}
+    unset: list[str] = []
+    sections: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if "help" in f.metadata and (f.metadata["name"] or f.name) not in omit:
+            if value is None:
+                unset.append(f"# {f.name} = (unset)\n")
+            else:
+                plain[f.name] = value
+        elif dataclasses.is_dataclass(hints[f.name]):
+            sections.append(_toml_of(value, (*at, f.name), omit))
+    body = tomli_w.dumps(plain) + "".join(unset)
+    header = f"[{'.'.join(at)}]\n" if at and body else ""
+    return "\n".join(text for text in [header + body, *sections] if text)

@@ -1,0 +1,186 @@
+"""One config → CLI/TOML mechanism: a dataclass field is a flag, a TOML key and a keyword.
+
+A command's config is nested keyword-only dataclasses; each field made with `option` holds its
+help line, its default and its rule, and is at once
+
+- a command-line flag (`add_options`, `given_options`; `add_config_command` makes a whole
+  subcommand),
+- a key of a TOML file (`read_config_file`; sections follow the nesting, ``[source]
+  image_col = "path"``, and an option's flat name is also accepted at the top level),
+- a Python keyword (`build_config`, flat names),
+
+checked by one rule (`OptionSpec.check`), so a bad value gets the same message from each.
+Order of precedence everywhere: the dataclass defaults < ``--config FILE`` < flags given
+(`config_from_args`). `config_toml` writes the resolved config, which reads back the same.
+
+This module is the face of the mechanism (fields and specs: `dlpipe.option_specs`; TOML:
+`dlpipe.config_files`; value parsers: `dlpipe.option_values`). It is core: it imports no room
+and not the CLI, so every room may use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import MISSING
+from typing import Any, TypeVar
+
+from dlpipe.config_files import (
+    MAX_CONFIG_BYTES,
+    config_toml,
+    read_config_file,
+    read_toml,
+    table_options,
+    write_config_file,
+)
+from dlpipe.option_specs import (
+    Checked,
+    MissingOptionError,
+    OptionError,
+    OptionSpec,
+    build_config,
+    iter_options,
+    option,
+    option_specs,
+)
+from dlpipe.option_values import (
+    area_share,
+    fraction,
+    int_in_range,
+    non_negative_int,
+    one_of,
+    parse_size,
+    positive_float,
+    positive_int,
+)
+
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "Checked",
+    "MissingOptionError",
+    "OptionError",
+    "OptionSpec",
+    "add_config_command",
+    "add_config_flag",
+    "add_options",
+    "area_share",
+    "build_config",
+    "config_from_args",
+    "config_toml",
+    "fraction",
+    "given_options",
+    "int_in_range",
+    "iter_options",
+    "non_negative_int",
+    "one_of",
+    "option",
+    "option_specs",
+    "parse_size",
+    "positive_float",
+    "positive_int",
+    "read_config_file",
+    "read_toml",
+    "table_options",
+    "write_config_file",
+]
+
+T = TypeVar("T")
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Collection[str] = ()) -> None:
+    """One argument per option of `cls` (but those named in `skip` and those with no flag).
+
+    Every argument's default is None ("not given"), so the defaults live in the dataclass and
+    a ``--config`` file can set what no flag gave; a bool is a switch (``store_const`` True,
+    and ``--no-NAME`` when its default is True); a positional option with a default may be
+    left out.
+    """
+    for spec in option_specs(cls):
+        if spec.name in skip or not spec.flag:
+            continue
+        spec = dataclasses.replace(spec, help=_with_default(spec))
+        if not spec.flag.startswith("-"):
+            nargs = None if spec.default is MISSING else "?"
+            parser.add_argument(
+                spec.name, metavar=spec.flag, nargs=nargs, type=spec.parse or str, help=spec.help
+            )
+        elif spec.kind == "bool":
+            parser.add_argument(
+                spec.flag, dest=spec.name, action="store_const", const=True, help=spec.help
+            )
+            if spec.default is True:
+                negative, help = "--no-" + spec.flag[2:], f"turn {spec.flag} off"
+                parser.add_argument(
+                    negative, dest=spec.name, action="store_const", const=False, help=help
+                )
+        else:
+            kind = spec.parse or {"int": int, "float": float}.get(spec.kind, str)
+            parser.add_argument(
+                spec.flag, dest=spec.name, type=kind, metavar=spec.metavar, help=spec.help
+            )
+
+
+def _with_default(spec: OptionSpec) -> str:
+    """The help line, with the default when it does not say it (a switch's is off)."""
+    if spec.kind == "bool" or spec.default in (MISSING, None, "") or "default" in spec.help:
+        return spec.help
+    return f"{spec.help} (default {spec.default})"
+
+
+def given_options(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The options of `cls` given on the command line: flat name → value."""
+    given = {s.name: getattr(args, s.name, None) for s in option_specs(cls)}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def add_config_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    cls: type[T],
+    run: Callable[[T, Any], int],
+    *,
+    help: str,
+) -> argparse.ArgumentParser:
+    """A subcommand whose arguments are `cls`'s options (`add_options`) and ``--config FILE``.
+
+    Its handler builds `cls` (`config_from_args`) and returns ``run(config, console)``; a
+    required option given nowhere is the parser's one error line (exit 2).
+    """
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help)
+    add_options(parser, cls)
+    add_config_flag(parser)
+
+    def handler(args: argparse.Namespace, console: Any) -> int:
+        try:
+            config = config_from_args(args, cls)
+        except MissingOptionError as exc:
+            parser.error(str(exc))
+        return run(config, console)
+
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE``, the same for every command."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of options: the flags' names with underscores, top level or in "
+        "their [section] as the resolved config file the command writes; flags given override it",
+    )
+
+
+def config_from_args(
+    args: argparse.Namespace, cls: type[T], fixed: Mapping[str, Any] | None = None
+) -> T:
+    """`cls` from the dataclass defaults, then ``args.config``'s file, then the flags given,
+    then `fixed` (values the command sets itself).
+
+    Raises:
+        OptionError: a bad file, key or value, named.
+    """
+    path = getattr(args, "config", None)
+    values = read_config_file(path, cls) if path else {}
+    return build_config(cls, {**values, **given_options(args, cls), **(fixed or {})})
