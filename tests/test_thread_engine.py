@@ -211,3 +211,59 @@ def test_a_profile_keeps_its_engine_and_an_old_one_reads_as_processes() -> None:
         LoaderProfile.from_json({**stored, "engine": "fork bomb"})
     del stored["engine"]
     assert LoaderProfile.from_json(stored).settings.engine == "processes"
+
+
+EXIT_SCRIPT = """
+import itertools, sys, threading, time
+import dlpipe
+from dlpipe.loading import threads
+
+threads.EXIT_WAIT_S = float(sys.argv[3])
+marker = sys.argv[2]
+calls, lock = itertools.count(), threading.Lock()
+
+def transform(sample):
+    with lock:
+        call = next(calls)
+    if call >= 2:  # after the first batch: a slow (or hung) transform on a pool thread
+        time.sleep(float(sys.argv[4]))
+        with open(marker, "a") as f:
+            f.write("done\\n")
+    return sample["__key__"]
+
+config = dlpipe.LoaderConfig(batch_size=2, transform=transform)
+workers = dlpipe.WorkerSettings(num_workers=2, engine="threads")
+loader = dlpipe.make_loader(sys.argv[1], "train", config, workers=workers)
+next(iter(loader))
+print("left the loop")  # no close(): the interpreter exits with the pool's calls running
+"""
+
+
+def _exit_run(path, tmp_path, wait_s: float, sleep_s: float):
+    import subprocess
+    import sys
+
+    marker = tmp_path / "calls"
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    args = [sys.executable, str(script), str(path), str(marker), str(wait_s), str(sleep_s)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    return run, (marker.read_text().count("done") if marker.exists() else 0)
+
+
+def test_at_exit_the_pool_threads_finish_their_calls_instead_of_being_killed(
+    make_dataset, tmp_path
+) -> None:
+    """A loop left without close(): at interpreter exit the pool's running calls end (a
+    daemon thread killed inside a torch op aborts the process: exit 134)."""
+    path = make_dataset("lmdb")
+    run, done = _exit_run(path, tmp_path, wait_s=60, sleep_s=0.5)
+    assert run.returncode == 0 and "left the loop" in run.stdout, run.stderr
+    assert done >= 1  # calls still running when the loop was left were let finish
+
+
+def test_a_hung_transform_does_not_keep_the_process_alive_at_exit(make_dataset, tmp_path) -> None:
+    path = make_dataset("lmdb")
+    run, done = _exit_run(path, tmp_path, wait_s=0.2, sleep_s=3600)  # times out if kept alive
+    assert run.returncode == 0 and "left the loop" in run.stdout, run.stderr
+    assert done == 0

@@ -39,28 +39,38 @@ from trainer_models import TinyCNN
 
 
 def slow_save_cnn(num_classes):
-    # each checkpoint write announces itself (its pid in DLPIPE_TEST_MARKER), then waits for
-    # DLPIPE_TEST_RELEASE to exist; each stop signal the trainer's handler took is logged as
-    # "pid name" to DLPIPE_TEST_HANDLED, so a test releases the write once its signal was
-    # handled during it, however slow the machine
+    # the stop checkpoint's write (a save after the ranks agreed to stop) announces itself
+    # (its pid in DLPIPE_TEST_MARKER), then waits for DLPIPE_TEST_RELEASE to exist; each stop
+    # signal the trainer's handler took, and each rank's agreement to stop, is logged as
+    # "pid SIGINT" / "pid COMMIT" to DLPIPE_TEST_HANDLED, so a test sends the next signal and
+    # releases the write once the state it needs is there, however slow the machine
     from dlpipe.train.signals import StopSignals
 
-    original, handle = torch.save, StopSignals._handle
+    original, handle, commit = torch.save, StopSignals._handle, StopSignals.commit
+    committed = []
+
+    def log(what):
+        if "DLPIPE_TEST_HANDLED" in os.environ:
+            with open(os.environ["DLPIPE_TEST_HANDLED"], "a") as f:
+                f.write(f"{os.getpid()} {what}\\n")
 
     def slow_save(obj, f, *args, **kwargs):
-        if "DLPIPE_TEST_MARKER" in os.environ:  # not when the test resumes the run in-process
+        if committed and "DLPIPE_TEST_MARKER" in os.environ:  # not when resumed in-process
             Path(os.environ["DLPIPE_TEST_MARKER"]).write_text(str(os.getpid()))
             while not os.path.exists(os.environ["DLPIPE_TEST_RELEASE"]):
                 time.sleep(0.01)
         return original(obj, f, *args, **kwargs)
 
     def logged_handle(self, signum, frame):
-        if "DLPIPE_TEST_HANDLED" in os.environ:
-            with open(os.environ["DLPIPE_TEST_HANDLED"], "a") as log:
-                log.write(f"{os.getpid()} {signal.Signals(signum).name}\\n")
+        log(signal.Signals(signum).name)
         return handle(self, signum, frame)
 
-    torch.save, StopSignals._handle = slow_save, logged_handle
+    def logged_commit(self):
+        commit(self)
+        committed.append(True)
+        log("COMMIT")
+
+    torch.save, StopSignals._handle, StopSignals.commit = slow_save, logged_handle, logged_commit
     return TinyCNN(num_classes)
 
 
@@ -192,12 +202,14 @@ def test_a_double_ctrl_c_keeps_the_checkpoint_and_exits_0(when, colours, tmp_pat
     def handled_by_the_writer(count: int) -> bool:
         writer = marker.read_text() if marker.exists() else None
         lines = handled.read_text().splitlines() if handled.exists() else []
-        return writer is not None and lines.count(f"{writer} SIGINT") >= count
+        ranks_agreed = sum(line.endswith(" COMMIT") for line in lines) == 2
+        return ranks_agreed and writer is not None and lines.count(f"{writer} SIGINT") >= count
 
     started.wait_for(lambda: logged_steps(run) >= 2)
     started.child.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher
     if when == "during the checkpoint write":
-        started.wait_for(lambda: handled_by_the_writer(1))  # the write is held, its rank asked
+        # both ranks agreed to stop, the stop checkpoint's write is held
+        started.wait_for(lambda: handled_by_the_writer(1))
     else:
         started.wait_for(lambda: started.saw("stopped on SIGINT"))
     started.child.send_signal(signal.SIGINT)

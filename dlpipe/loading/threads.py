@@ -18,8 +18,10 @@ from exiting after ``loader.close()``, as ``ThreadPoolExecutor``'s joined thread
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -82,16 +84,24 @@ class DaemonPool:
 
     ``ThreadPoolExecutor`` would do, but the interpreter joins its threads at exit, so one
     transform that never returns (a hung network read, a deadlock in user code) would keep the
-    process alive forever after the loader closed. A daemon thread is abandoned at exit. The
-    threads end after their current call on `shutdown`, or when the pool is collected.
+    process alive forever after the loader closed. The threads end after their current call on
+    `shutdown`, or when the pool is collected. At interpreter exit (a loop left with ``break``
+    and no ``close``) each pool is shut down and its threads get `EXIT_WAIT_S` in all to end
+    their current calls: a daemon thread still inside a torch op when the interpreter
+    finalizes aborts the process (``terminate called without an active exception``, exit code
+    134); one that is still hung after the wait is abandoned.
     """
 
     def __init__(self, threads: int, name: str, initializer: Callable[[], None]) -> None:
         self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
         for i in range(threads):  # the threads hold the queue, not the pool
             args = (self._work, initializer)
-            threading.Thread(target=_serve, args=args, name=f"{name}_{i}", daemon=True).start()
+            thread = threading.Thread(target=_serve, args=args, name=f"{name}_{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
         self._stop = weakref.finalize(self, _stop_threads, self._work, threads)
+        _LIVE_POOLS.add(self)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -109,6 +119,22 @@ class DaemonPool:
             if work is not None:
                 work[0].cancel()
         self._stop()
+
+
+EXIT_WAIT_S = 10.0  # how long the pools' threads get at interpreter exit, in all
+_LIVE_POOLS: weakref.WeakSet[DaemonPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_pools_at_exit() -> None:
+    """Shut every live pool down and wait (`EXIT_WAIT_S` in all) for its threads' calls."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    pools = list(_LIVE_POOLS)
+    for pool in pools:
+        pool.shutdown()
+    for pool in pools:
+        for thread in pool._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _stop_threads(work: queue.SimpleQueue[_Work | None], threads: int) -> None:
