@@ -267,3 +267,28 @@ def test_a_hung_transform_does_not_keep_the_process_alive_at_exit(make_dataset, 
     run, done = _exit_run(path, tmp_path, wait_s=0.2, sleep_s=3600)  # times out if kept alive
     assert run.returncode == 0 and "left the loop" in run.stdout, run.stderr
     assert done == 0
+
+
+def test_a_pool_thread_keeps_one_torch_thread_when_the_caller_sets_its_own() -> None:
+    """torch gives a thread the process-wide count at its first torch call: a pool thread's
+    count of 1 must survive the caller setting its own count afterwards."""
+    from dlpipe.loading.threads import DaemonPool, _one_torch_thread
+
+    started, go = threading.Event(), threading.Event()
+
+    def count_after_the_caller_set_its_own() -> int:
+        started.set()
+        go.wait(60)
+        return torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    pool = DaemonPool(1, "dlpipe-loader-test", _one_torch_thread)
+    try:
+        future = pool.submit(count_after_the_caller_set_its_own)
+        assert started.wait(60)
+        torch.set_num_threads(2)  # as the caller's count comes back after a batch
+        go.set()
+        assert future.result(60) == 1
+    finally:
+        pool.shutdown()
+        torch.set_num_threads(before)

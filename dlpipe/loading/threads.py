@@ -163,7 +163,13 @@ def _one_torch_thread() -> None:
     pool's threads are the parallelism, and an OpenMP team per thread on top of them would
     oversubscribe the cores (2 threads x 2 OpenMP threads each on 2 cores; an alternating A/B
     gave 5 % more samples per CPU-second without the teams, within this machine's noise).
-    OpenMP keeps the thread count per thread, so the caller's own torch ops keep theirs."""
+    OpenMP keeps the thread count per thread, so the caller's own torch ops keep theirs.
+
+    torch sets a thread's count lazily from a process-wide value at the thread's first torch
+    call (``at::init_num_threads``), which any thread's ``set_num_threads`` changes: a count set
+    before that first call is overwritten by whatever another thread set meanwhile (the
+    caller's count back after each batch: 2 here). ``get_num_threads`` makes that first call."""
+    torch.get_num_threads()
     torch.set_num_threads(1)
 
 
