@@ -21,7 +21,7 @@ from dlpipe.converters.plan import ShardTask
 from dlpipe.converters.source import Item, SampleError, Source
 from dlpipe.errors import DlpipeError
 from dlpipe.formats import get_format, write_shard
-from dlpipe.formats.writer import record_shard_intent
+from dlpipe.formats.owned import record_shard_intent
 from dlpipe.manifest import ShardInfo
 from dlpipe.sample import Sample
 

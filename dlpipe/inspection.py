@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dlpipe.formats.writer import DUPLICATES_NAME
+from dlpipe.dataset_names import DUPLICATES_NAME
 from dlpipe.manifest import read_manifest
 from dlpipe.text import shown
 

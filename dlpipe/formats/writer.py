@@ -19,25 +19,19 @@ from types import TracebackType
 from typing import Any
 
 from dlpipe import storage
-from dlpipe.dataset_names import DUPLICATES_NAME, ERRORS_NAME
 from dlpipe.errors import InvalidFieldError
 from dlpipe.formats import get_format, require_storage
 from dlpipe.formats.base import ShardBuilder
 from dlpipe.formats.output import DatasetOutput
-from dlpipe.formats.owned import record_shard_intent
 from dlpipe.manifest import Manifest, ShardInfo
 from dlpipe.sample import sample_fields
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
-    "DUPLICATES_NAME",
-    "ERRORS_NAME",
     "DatasetWriter",
     "ShardLimits",
     "SplitWriter",
-    "record_shard_intent",
 ]
-# DUPLICATES_NAME, ERRORS_NAME and record_shard_intent are re-exported for their importers
 
 DEFAULT_MAX_SHARD_BYTES = 64 << 20
 _SPLIT_RE = re.compile(r"[A-Za-z0-9_]+")
