@@ -3,11 +3,13 @@
 
 Keys follow the dataclass nesting (``[source]`` then ``image_col = "path"``); an option's flat
 name is also accepted at the top level. A config file is untrusted input: a regular file of at
-most `MAX_CONFIG_BYTES`, UTF-8; an unknown key is refused with the keys there are.
+most `MAX_CONFIG_BYTES`, UTF-8; an unknown key is refused with the keys there are. A string
+for a number option is read as its flag reads it (``shard_bytes = "256MB"``).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import typing
@@ -77,6 +79,7 @@ def _take(
             _take(value, (*at, key), specs, path, values)
         elif key in here and not isinstance(value, Mapping):
             spec = here[key]
+            value = _as_flag_reads(spec, value, f"config file {path}: {where}")
             problem = spec.problem(value)
             if problem is not None:
                 raise OptionError(f"config file {path}: {where} = {_cut(repr(value))}: {problem}")
@@ -85,6 +88,21 @@ def _take(
             raise OptionError(
                 f"config file {path}: unknown key {_cut(where)!r}; {_known(at, specs)}"
             )
+
+
+def _as_flag_reads(spec: OptionSpec, value: Any, where: str) -> Any:
+    """A file's text for a number option read as its flag reads it (``shard_bytes = "256MB"``:
+    TOML has no size literal); any other value as it is.
+
+    Raises:
+        OptionError: the text breaks the option's rule (naming `where` and the value).
+    """
+    if not (isinstance(value, str) and spec.kind in ("int", "float") and spec.parse):
+        return value
+    try:
+        return spec.parse(value)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise OptionError(f"{where} = {_cut(repr(value))}: {exc}") from None
 
 
 def _known(at: tuple[str, ...], specs: list[OptionSpec]) -> str:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+import pytest
+
 from dlpipe.cli import build_parser
-from dlpipe.options import config_toml
+from dlpipe.converters.config import ConvertConfig
+from dlpipe.options import OptionError, config_toml, read_config_file
 from dlpipe.train.config import TrainConfig, load_config
 
 if sys.version_info >= (3, 11):
@@ -87,3 +90,20 @@ def test_a_printed_convert_command_parses_back_to_the_same_config(tmp_path) -> N
     again = ConvertConfig.from_options(**{**options, "workers": 1, "overwrite": False})
     assert again == config
     assert args.overwrite and "--workers" not in argv  # workers do not shape the output
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [('"256MB"', 256 * 1000**2), ('"1GiB"', 1 << 30), ("1048576", 1 << 20)]
+)
+def test_a_size_in_a_config_file_is_read_as_the_flag_reads_it(tmp_path, text, expected) -> None:
+    path = tmp_path / "convert.toml"
+    path.write_text(f"[shards]\nshard_bytes = {text}\n")
+    assert read_config_file(str(path), ConvertConfig)["shard_bytes"] == expected
+
+
+@pytest.mark.parametrize("text", ['"lots"', '"-5MB"', '""'])
+def test_a_bad_size_text_in_a_config_file_is_one_named_error(tmp_path, text) -> None:
+    path = tmp_path / "convert.toml"
+    path.write_text(f"[shards]\nshard_bytes = {text}\n")
+    with pytest.raises(OptionError, match=r"convert\.toml: shards\.shard_bytes = "):
+        read_config_file(str(path), ConvertConfig)
