@@ -214,7 +214,7 @@ def test_a_profile_keeps_its_engine_and_an_old_one_reads_as_processes() -> None:
 
 
 EXIT_SCRIPT = """
-import itertools, sys, threading, time
+import gc, itertools, os, sys, threading, time
 import dlpipe
 from dlpipe.loading import threads
 
@@ -226,6 +226,8 @@ def transform(sample):
     with lock:
         call = next(calls)
     if call >= 2:  # after the first batch: a slow (or hung) transform on a pool thread
+        with open(marker, "a") as f:
+            f.write("started\\n")
         time.sleep(float(sys.argv[4]))
         with open(marker, "a") as f:
             f.write("done\\n")
@@ -234,12 +236,19 @@ def transform(sample):
 config = dlpipe.LoaderConfig(batch_size=2, transform=transform)
 workers = dlpipe.WorkerSettings(num_workers=2, engine="threads")
 loader = dlpipe.make_loader(sys.argv[1], "train", config, workers=workers)
-next(iter(loader))
-print("left the loop")  # no close(): the interpreter exits with the pool's calls running
+batches = iter(loader)
+next(batches)  # the next batch's calls are queued ahead
+while not os.path.exists(marker) or "started" not in open(marker).read():
+    time.sleep(0.01)  # a slow call is running
+if sys.argv[5] == "close":  # the pool is shut down and collected, its call still running
+    loader.close()
+    del loader, batches
+    gc.collect()
+print("left the loop")  # the interpreter exits with the pool's calls running
 """
 
 
-def _exit_run(path, tmp_path, wait_s: float, sleep_s: float):
+def _exit_run(path, tmp_path, wait_s: float, sleep_s: float, close: bool = False):
     import subprocess
     import sys
 
@@ -247,17 +256,20 @@ def _exit_run(path, tmp_path, wait_s: float, sleep_s: float):
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
     args = [sys.executable, str(script), str(path), str(marker), str(wait_s), str(sleep_s)]
+    args.append("close" if close else "open")
     run = subprocess.run(args, capture_output=True, text=True, timeout=240)
     return run, (marker.read_text().count("done") if marker.exists() else 0)
 
 
+@pytest.mark.parametrize("close", [False, True], ids=["loop left", "loader closed"])
 def test_at_exit_the_pool_threads_finish_their_calls_instead_of_being_killed(
-    make_dataset, tmp_path
+    make_dataset, tmp_path, close
 ) -> None:
-    """A loop left without close(): at interpreter exit the pool's running calls end (a
-    daemon thread killed inside a torch op aborts the process: exit 134)."""
+    """A loop left without close(), or a loader closed (its pool shut down and collected)
+    just before the exit: at interpreter exit the pool threads' running calls end (a daemon
+    thread killed inside a torch op aborts the process: exit 134)."""
     path = make_dataset("lmdb")
-    run, done = _exit_run(path, tmp_path, wait_s=60, sleep_s=0.5)
+    run, done = _exit_run(path, tmp_path, wait_s=60, sleep_s=0.5, close=close)
     assert run.returncode == 0 and "left the loop" in run.stdout, run.stderr
     assert done >= 1  # calls still running when the loop was left were let finish
 

@@ -87,7 +87,8 @@ class DaemonPool:
     process alive forever after the loader closed. The threads end after their current call on
     `shutdown`, or when the pool is collected. At interpreter exit (a loop left with ``break``
     and no ``close``) each pool is shut down and its threads get `EXIT_WAIT_S` in all to end
-    their current calls: a daemon thread still inside a torch op when the interpreter
+    their current calls (so do the threads of a pool shut down earlier, still finishing their
+    last call): a daemon thread still inside a torch op when the interpreter
     finalizes aborts the process (``terminate called without an active exception``, exit code
     134); one that is still hung after the wait is abandoned.
     """
@@ -100,6 +101,7 @@ class DaemonPool:
             thread = threading.Thread(target=_serve, args=args, name=f"{name}_{i}", daemon=True)
             thread.start()
             self._threads.append(thread)
+            _POOL_THREADS.add(thread)
         self._stop = weakref.finalize(self, _stop_threads, self._work, threads)
         _LIVE_POOLS.add(self)
 
@@ -123,18 +125,21 @@ class DaemonPool:
 
 EXIT_WAIT_S = 10.0  # how long the pools' threads get at interpreter exit, in all
 _LIVE_POOLS: weakref.WeakSet[DaemonPool] = weakref.WeakSet()
+# every pool thread still running, its pool's included when that pool was shut down and
+# collected while the thread finished its last call (a closed loader's): threading holds a
+# running thread, so this set does until it ends
+_POOL_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 @atexit.register
 def _end_pools_at_exit() -> None:
-    """Shut every live pool down and wait (`EXIT_WAIT_S` in all) for its threads' calls."""
+    """Shut every live pool down and wait (`EXIT_WAIT_S` in all) for every pool thread's
+    current call, closed pools' threads included."""
     deadline = time.monotonic() + EXIT_WAIT_S
-    pools = list(_LIVE_POOLS)
-    for pool in pools:
+    for pool in list(_LIVE_POOLS):
         pool.shutdown()
-    for pool in pools:
-        for thread in pool._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+    for thread in list(_POOL_THREADS):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _stop_threads(work: queue.SimpleQueue[_Work | None], threads: int) -> None:
