@@ -7,11 +7,14 @@ orders them by the plan, so the output does not depend on which one ran.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +32,7 @@ __all__ = [
     "TEST_HOLD_ENV",
     "EngineError",
     "WorkerDiedError",
+    "keep_freed_memory",
     "run_local",
     "run_ray",
     "worker_init",
@@ -65,6 +69,7 @@ def run_local(
     """Run `job` on each task in `workers` spawned processes (in this process when `workers`
     is 1)."""
     if workers <= 1 or len(tasks) <= 1:
+        keep_freed_memory()
         for task in tasks:
             yield _held_job(job, source, task, config)
         return
@@ -170,6 +175,32 @@ def _nearly_full(out: str) -> bool:
         return False
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+_KEPT_FREE_BYTES = 1 << 30
+_MMAP_FROM_BYTES = 32 << 20  # glibc's largest: smaller blocks come from the heap
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory for the process's next shard instead of giving it back.
+
+    A shard's buffers (LMDB's dirty pages, freed at each commit; the HDF5 writer's blobs; the
+    images read) are freed when the shard is done, and glibc hands the top of its heap back to
+    the kernel, so every shard faulted its memory in afresh: LMDB spent more system time in
+    page faults than writing (benchmarks/convert.py). Called once per converting process;
+    False where the C library is not glibc (nothing changes there).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # musl and others have no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    kept = mallopt(_M_TRIM_THRESHOLD, _KEPT_FREE_BYTES)
+    return bool(kept and mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM_BYTES))
+
+
 def worker_init(parent_pid: int) -> None:
     """Set up a pool worker: it dies with its parent, and leaves signals to the parent.
 
@@ -187,6 +218,7 @@ def worker_init(parent_pid: int) -> None:
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(1)
     watch_parent(parent_pid, lambda: os._exit(1), every_s=1.0)
+    keep_freed_memory()
 
 
 def run_ray(
@@ -230,6 +262,7 @@ def _write_task_on_node(
     """`job` in a Ray task, and the id of the Ray node that ran it."""
     import ray
 
+    keep_freed_memory()
     return job(source, task, config), ray.get_runtime_context().get_node_id()
 
 

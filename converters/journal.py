@@ -13,7 +13,7 @@ each finished shard's `TaskResult`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from dlpipe.converters.plan import OPTION_FLAGS, Plan
@@ -54,8 +54,11 @@ def check_plan(recorded: dict[str, Any], plan: Plan, out: str, overwrite_command
 
 
 def result_record(result: TaskResult) -> dict[str, Any]:
-    """A finished shard's journal record (`result_of` reads it back)."""
-    return asdict(result)
+    """A finished shard's journal record (`result_of` reads it back): `asdict`'s record,
+    without its deep copy of every fingerprint (the record is written as JSON at once)."""
+    record = {f.name: getattr(result, f.name) for f in fields(result)}
+    record["info"] = asdict(result.info) if result.info is not None else None
+    return record
 
 
 def result_of(record: dict[str, Any]) -> TaskResult:

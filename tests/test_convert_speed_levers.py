@@ -5,8 +5,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import platform
 import random
 import string
+import subprocess
+import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -157,3 +161,79 @@ def test_an_image_pillow_reads_as_over_the_pixel_limit_is_one_named_skip(tmp_pat
     assert error["key"] == "a%2Ftwo-frames"
     assert "12000x12000 = 144,000,000 pixels, over the pixel limit" in error["error"]
     assert sum(s.samples for s in dlpipe.read_manifest(str(out)).splits.values()) == 2
+
+
+def test_a_raw_file_is_read_only_where_the_kernel_places_it_inside_the_folder(tmp_path) -> None:
+    """The per-file open needs no real path, and still reads nothing outside RAW: a class
+    folder swapped for a link out after the scan, a FIFO, a link within RAW (read)."""
+    from dlpipe.converters.source import SampleError, raw_folder_of, read_file
+
+    raw, outside = tmp_path / "raw", tmp_path / "outside"
+    for folder in (raw / "c", outside / "c"):
+        folder.mkdir(parents=True)
+    (raw / "c" / "a.jpg").write_bytes(b"inside")
+    (outside / "c" / "a.jpg").write_bytes(b"secret")
+    (raw / "c" / "link.jpg").symlink_to(raw / "c" / "a.jpg")
+    os.mkfifo(raw / "c" / "fifo.jpg")
+    real = raw_folder_of(str(raw))
+    assert read_file(str(raw / "c" / "a.jpg"), real) == b"inside"
+    assert read_file(str(raw / "c" / "link.jpg"), real) == b"inside"
+    with pytest.raises(SampleError, match="is a FIFO"):
+        read_file(str(raw / "c" / "fifo.jpg"), real)
+    (raw / "c").rename(tmp_path / "moved")
+    (raw / "c").symlink_to(outside / "c", target_is_directory=True)
+    with pytest.raises(SampleError, match="outside the raw folder"):
+        read_file(str(raw / "c" / "a.jpg"), real)
+
+
+_FAULTS_AFTER_FREEING = """
+import resource, sys
+from dlpipe.converters.executors import keep_freed_memory
+if sys.argv[1] == "kept":
+    assert keep_freed_memory()
+def shard():  # LMDB's pattern: a shard's pages, 100 KB each, freed together at commit
+    pages = [bytearray(100_000) for _ in range(300)]
+    del pages
+shard()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    shard()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="glibc's mallopt only",
+)
+def test_a_converting_process_keeps_a_shards_freed_memory_for_the_next() -> None:
+    def faults(mode: str) -> int:
+        run = [sys.executable, "-c", _FAULTS_AFTER_FREEING, mode]
+        return int(subprocess.run(run, capture_output=True, text=True, check=True).stdout)
+
+    pages_per_shard = 300 * 100_000 // 4096
+    assert faults("given back") > 4 * pages_per_shard  # each shard faulted in afresh
+    assert faults("kept") < pages_per_shard  # the first shard's pages, used again
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_a_shard_written_at_its_close_goes_to_disk_while_it_is_hashed(
+    tmp_path, monkeypatch, fmt
+) -> None:
+    from dlpipe.formats import base
+
+    started: list[tuple[int, int]] = []
+    real_start = base.start_writeback
+    monkeypatch.setattr(
+        base, "start_writeback", lambda fd, at, n: (started.append((at, n)), real_start(fd, at, n))
+    )
+    out = tmp_path / "out"
+    with dlpipe.DatasetWriter(out=str(out), format=fmt) as writer:
+        for i in range(3):
+            writer.write("train", {"__key__": f"s{i}", "bin": np.random.default_rng(i).bytes(5000)})
+    (shard,) = dlpipe.read_manifest(str(out)).splits["train"].shards
+    assert started == [(0, 0)]  # the whole file, before it is read back
+    assert shard.sha256 == hashlib.sha256((out / shard.name).read_bytes()).hexdigest()
+    assert [s["bin"] for s in dlpipe.open_dataset(str(out), "train")] == [
+        np.random.default_rng(i).bytes(5000) for i in range(3)
+    ]

@@ -158,13 +158,10 @@ class LmdbWriter(ShardFileWriter):
             "fields": list(self.fields),
         }
         self._pending.append((META_KEY, msgpack.packb(meta, use_bin_type=True)))
-        self._commit()
         try:
-            self._env.sync(True)
-        except lmdb.Error as exc:
-            raise _disk_error(exc, self.path) from exc
+            self._commit()
         finally:
-            self._env.close()
+            self._env.close()  # no sync here: the fsync that publishes the shard makes it durable
 
     def abandon(self) -> None:
         self._pending.clear()

@@ -23,11 +23,9 @@ samples or the same error.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import hashlib
 import os
-import sys
 import tarfile
 from collections.abc import Callable, Generator, Iterator, Set
 from typing import IO, Any, NamedTuple
@@ -40,6 +38,7 @@ from dlpipe.formats.base import (
     ShardReader,
     check_schema,
     open_regular_file,
+    start_writeback,
 )
 from dlpipe.sample import Sample, check_field_name, check_key
 
@@ -102,32 +101,6 @@ class WdsWriter(ShardFileWriter):
 
 _WRITE_BUFFER_BYTES = 1 << 20
 _WRITEBACK_BYTES = 8 << 20
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start write-back of dirty pages, do not wait
-
-
-@functools.cache
-def _sync_file_range() -> Any:
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return function
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing bytes `offset` .. `offset + length` of `fd` to disk.
-
-    It returns at once (``SYNC_FILE_RANGE_WRITE``) and promises nothing: durability still
-    comes from the fsync before the shard is published. Elsewhere than Linux it does nothing.
-    """
-    function = _sync_file_range()
-    if function is not None:
-        function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # an error only loses the head start
-
 
 _ZERO_BLOCK = tarfile.NUL * tarfile.BLOCKSIZE
 _USTAR_NAME_BYTES = tarfile.LENGTH_NAME
