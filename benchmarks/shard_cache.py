@@ -1,23 +1,28 @@
-"""Benchmark: the order-aware shard cache reading from a slow S3 endpoint, against local disk.
+"""Benchmark: a remote dataset read through `make_loader` and its shard cache, against local disk.
 
-A moto S3 server on loopback holds ``--shards`` shards of ``--shard-mb`` MB of random bytes,
-reached through a small proxy in this script that adds ``--delay-ms`` (default 20 ms) to every
-request and caps the bytes it sends at ``--bandwidth-mbps`` MB/s in all (one pipe shared by
-every connection, as a node's link is). A reader takes the shards in two shuffled epochs
-(planned at once, as a loader knows both orders) and, per shard, reads the file and hashes it
-with sha256 (the stand-in for a reader's work). Measured in one run:
+A moto S3 server on loopback holds a wds dataset of ``--shards`` shards of ``--shard-mb`` MB
+(samples of 64 KB of random bytes), reached through the tests' loopback proxy
+(``tests/s3_faults.py``) that adds ``--delay-ms`` (default 20 ms) to every request and caps the
+bytes it sends at ``--bandwidth-mbps`` MB/s in all (one pipe shared by every connection, as a
+node's link is).
+Every loader is ``dlpipe.make_loader(path, "train", LoaderConfig(batch_size=64,
+transform=work))`` with ``--workers`` worker processes, shuffled (shards and blocks, per
+epoch), where ``work`` hashes each sample with sha256 (the stand-in for decoding). Measured in
+one run:
 
-- **local disk**: the same shards read from a local folder in the same order;
-- **full cache**: `ShardCache` with a limit as large as the dataset (the measured prefetch
-  depth, 4 download threads): the second epoch reads only cached shards;
-- **quarter cache**: a limit of a quarter of the dataset, by next use (Belady) and by LRU.
+- **local disk**: the dataset's folder on this machine;
+- **full cache**: the S3 URL with ``cache_limit`` as large as the dataset: from epoch 2 on it
+  reads only cached shards (goal: at least 0.9x local disk's samples/s). The two loaders run
+  their epochs alternately (1 + `WARM_ROUNDS` each), so a busy machine slows both alike, and
+  their later epochs' medians are compared;
+- **quarter cache**: ``cache_limit`` a quarter of the dataset, evicting by next use (Belady,
+  dlpipe's rule) and, for comparison, by least recent use (LRU).
 
-Figures: the second epoch's read rate (MB/s of shards; at full size and on local disk the
-median of 3 reads of it) and its ratio to local disk (goal at full size: at least 0.9x), the
-hit rate (a `get` that found its shard cached and not downloaded since its last use) of the
-second epoch and of both, and the MB downloaded.
-
-Run from the repository root in the venv::
+Figures: each epoch's samples/s, and per epoch the shards downloaded (counted at the proxy:
+one GET per download, shards being under 8 MB) and the hit rate: the share of the readers'
+``ShardCache.get`` calls whose shard was cached and not downloaded since that reader last used
+it (a prefetched shard is a miss), counted in every worker. Run from the repository root in
+the venv::
 
     python benchmarks/shard_cache.py     # writes benchmarks/results/shard_cache.{json,md}
 """
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import http.client
 import os
 import random
 import socket
@@ -34,84 +38,24 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from common import generated_line, log, met, write_results
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from s3_faults import FaultProxy  # the tests' loopback S3 proxy
+
+import dlpipe
+from dlpipe.loading import remote
 from dlpipe.machine import usable_cpus
-from dlpipe.manifest import ShardInfo
 from dlpipe.shard_cache import BELADY, LRU, ShardCache
 
-PACE_BYTES = 64 << 10
-
-
-class SlowLink:
-    """A loopback proxy to `upstream` adding `delay_s` per request and pacing all response
-    bodies together at `bytes_per_s`."""
-
-    def __init__(self, upstream_port: int, delay_s: float, bytes_per_s: float) -> None:
-        self.upstream_port, self.delay_s, self.bytes_per_s = upstream_port, delay_s, bytes_per_s
-        self._lock, self._free_at = threading.Lock(), 0.0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def pace(self, size: int) -> None:
-        """Wait for `size` bytes' turn on the shared link."""
-        with self._lock:
-            start = max(time.monotonic(), self._free_at)
-            self._free_at = start + size / self.bytes_per_s
-            done_at = self._free_at
-        time.sleep(max(0.0, done_at - time.monotonic()))
-
-    def forward(self, method: str, path: str, headers: Any, body: bytes) -> tuple[int, Any, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
-        sent = {k: v for k, v in headers.items() if k.lower() not in ("host", "connection")}
-        conn.request(method, path, body=body or None, headers=sent)
-        answer = conn.getresponse()
-        data = answer.read()
-        conn.close()
-        return answer.status, answer.getheaders(), data
-
-
-def _handler(link: SlowLink) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True  # headers and body go out at once, not 40 ms apart
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _any(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            time.sleep(link.delay_s)
-            status, headers, data = link.forward(self.command, self.path, self.headers, body)
-            self.send_response(status)
-            head = self.command == "HEAD"
-            dropped = ("transfer-encoding", "connection") + (() if head else ("content-length",))
-            for name, value in headers:
-                if name.lower() not in dropped:
-                    self.send_header(name, value)
-            if not head:
-                self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            for start in range(0, 0 if head else len(data), PACE_BYTES):
-                chunk = data[start : start + PACE_BYTES]
-                link.pace(len(chunk))
-                self.wfile.write(chunk)
-
-        do_GET = do_HEAD = do_PUT = do_POST = _any
-
-    return Handler
+SAMPLE_BYTES = 64 << 10
+BATCH = 64
+WARM_ROUNDS = 9  # warm epochs of the local and the full-cache loader, alternating
 
 
 def start_moto() -> tuple[subprocess.Popen[bytes], int]:
@@ -135,110 +79,200 @@ def start_moto() -> tuple[subprocess.Popen[bytes], int]:
     raise RuntimeError("moto_server did not start")
 
 
-def upload(port: int, local: Path, count: int, size: int) -> list[ShardInfo]:
-    """`count` random shards written to `local` and to ``s3://bench/shards``."""
+class GetLog:
+    """Every worker's `ShardCache.get` calls, hit or not, appended to one file (the workers
+    fork from this process after `install`, so they log too)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._get = path, ShardCache.get
+
+    def install(self) -> None:
+        log_path, get = str(self.path), self._get
+
+        def logged(cache: ShardCache, name: str) -> str:
+            hits = cache.stats().hits
+            local = get(cache, name)
+            with open(log_path, "a") as f:
+                f.write(f"{int(cache.stats().hits > hits)}\n")
+            return local
+
+        ShardCache.get = logged  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        ShardCache.get = self._get  # type: ignore[method-assign]
+
+    def counts(self) -> tuple[int, int]:
+        """(gets, hits) so far."""
+        lines = self.path.read_text().split() if self.path.exists() else []
+        return len(lines), sum(int(x) for x in lines)
+
+
+def work(sample: dict[str, Any]) -> int:
+    """A reader's work on one sample: hash its bytes (the stand-in for decoding)."""
+    return hashlib.sha256(sample["bin"]).digest()[0]
+
+
+def write_dataset(out: Path, shards: int, shard_mb: float) -> Path:
+    """A wds dataset of `shards` shards of about `shard_mb` MB of random 64 KB samples."""
+    per_shard = max(1, int(shard_mb * 1e6) // SAMPLE_BYTES)
+    rng, limits = random.Random(0), dlpipe.ShardLimits(max_shard_samples=per_shard)
+    with dlpipe.DatasetWriter(out=str(out), format="wds", limits=limits) as writer:
+        for i in range(shards * per_shard):
+            sample = {"__key__": f"s{i:07d}", "bin": rng.randbytes(SAMPLE_BYTES), "cls": b"0"}
+            writer.write("train", sample)
+    return out
+
+
+def upload(port: int, folder: Path) -> str:
+    """`folder` copied to ``s3://bench/data``; the URL."""
     import s3fs
 
     fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", key="k", secret="s")
     fs.mkdir("bench")
-    rng, shards = random.Random(0), []
-    for i in range(count):
-        name, data = f"train-{i:06d}.tar", rng.randbytes(size)
-        (local / name).write_bytes(data)
-        fs.pipe_file(f"bench/shards/{name}", data)
-        shards.append(ShardInfo(name, 1, size, hashlib.sha256(data).hexdigest()))
-    return shards
+    for path in folder.iterdir():
+        if path.is_file() and not path.name.startswith("."):
+            fs.put_file(str(path), f"bench/data/{path.name}")
+    return "s3://bench/data"
 
 
-def consume(path: str) -> int:
-    """A reader's work on one shard: read it whole and hash it."""
-    data = Path(path).read_bytes()
-    hashlib.sha256(data).digest()
-    return len(data)
+class LoaderRun:
+    """One loader, measured epoch by epoch: samples/s, the shards each epoch downloaded and
+    (with `gets`) its `ShardCache.get` calls and their hit rate."""
+
+    def __init__(
+        self, path: str, workers: int, link: FaultProxy | None, gets: GetLog, **cache: Any
+    ) -> None:
+        config = dlpipe.LoaderConfig(batch_size=BATCH, transform=work, **cache)
+        settings = dlpipe.WorkerSettings(num_workers=workers)
+        self.loader = dlpipe.make_loader(path, "train", config, workers=settings, profile=None)
+        self.link, self.gets = link, gets
+        self.row: dict[str, list[Any]] = {"samples_per_s": [], "downloads": []}
+        self.row |= {"hit_rate": [], "gets": []}
+
+    def epoch(self) -> None:
+        before, (calls, hits) = _shard_gets(self.link), self.gets.counts()
+        start, samples = time.perf_counter(), 0
+        for batch in self.loader:
+            samples += len(batch)
+        self.row["samples_per_s"].append(samples / (time.perf_counter() - start))
+        self.row["downloads"].append(_shard_gets(self.link) - before)
+        calls_now, hits_now = self.gets.counts()
+        self.row["gets"].append(calls_now - calls)
+        self.row["hit_rate"].append((hits_now - hits) / max(calls_now - calls, 1))
+
+    def close(self) -> dict[str, Any]:
+        self.loader.close()
+        return self.row
 
 
-def read_local(folder: Path, order: list[str]) -> float:
-    """Seconds to consume the shards of `order` from `folder`."""
-    start = time.perf_counter()
-    for name in order:
-        consume(str(folder / name))
-    return time.perf_counter() - start
+def _shard_gets(link: FaultProxy | None) -> int:
+    return 0 if link is None else sum(n for k, n in link.gets.items() if k.endswith(".tar"))
 
 
-def read_cached(cache: ShardCache, order: list[str]) -> tuple[float, int, int]:
-    """Seconds to consume `order` through `cache`, and the gets and hits it added."""
-    before, start = cache.stats(), time.perf_counter()
-    for name in order:
-        consume(cache.get(name))
-        cache.release(name)
-    after = cache.stats()
-    return time.perf_counter() - start, after.gets - before.gets, after.hits - before.hits
-
-
-def run_cache(
-    link: SlowLink,
-    shards: list[ShardInfo],
-    epochs: list[list[str]],
-    limit: int,
-    policy: Literal["belady", "lru"],
-    passes: int,
-) -> dict[str, Any]:
-    """One cache's figures; the second epoch's rate is the median of `passes` reads of it (a
-    cache as large as the dataset: every pass reads cached shards)."""
-    options = {"endpoint_url": link.url, "key": "k", "secret": "s"}
-    with (
-        tempfile.TemporaryDirectory(prefix="dlpipe-bench-cache-") as folder,
-        ShardCache(
-            "s3://bench/shards", folder, limit, shards, policy=policy, storage_options=options
-        ) as cache,
-    ):
-        cache.plan(epochs[0] + epochs[1] * passes)
-        first_s, _, _ = read_cached(cache, epochs[0])
-        second_s, gets, hits = read_cached(cache, epochs[1])
-        stats = cache.stats()  # the hit rate and downloads of two epochs
-        again = [read_cached(cache, epochs[1])[0] for _ in range(passes - 1)]
-        second_s = statistics.median([second_s, *again])
-    size = sum(s.bytes for s in shards)
+def measure(args: argparse.Namespace, port: int, folder: Path) -> dict[str, Any]:
+    url = upload(port, folder)
+    manifest = dlpipe.read_manifest(str(folder))
+    shards = manifest.split("train").shards
+    total = sum(s.bytes for s in shards)
+    os.environ.update(AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s")
+    link = FaultProxy(
+        f"http://127.0.0.1:{port}",
+        delay_s=args.delay_ms / 1000,
+        bytes_per_s=args.bandwidth_mbps * 1e6,
+    )
+    os.environ["AWS_ENDPOINT_URL"] = link.url
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="dlpipe-bench-cache-") as cache_dir:
+        gets = GetLog(Path(cache_dir) / "gets.log")
+        gets.install()  # before any worker forks
+        try:
+            log("local disk and full cache, epochs alternating")
+            local = LoaderRun(str(folder), args.workers, None, gets)
+            full = LoaderRun(url, args.workers, link, gets, cache_dir=cache_dir, cache_limit=total)
+            for _ in range(1 + WARM_ROUNDS):  # drift on a shared machine hits both alike
+                local.epoch()
+                full.epoch()
+            runs["local disk"], runs["full cache"] = local.close(), full.close()
+            runs["full cache"] |= {"limit_mb": total / 1e6, "policy": BELADY}
+            for name, policy in (("quarter cache, belady", BELADY), ("quarter cache, lru", LRU)):
+                log(f"{name}: limit {total // 4 / 1e6:.0f} MB")
+                remote.POLICY = policy  # the workers fork after this: they evict by it too
+                limited = {"cache_dir": f"{cache_dir}/{policy}", "cache_limit": total // 4}
+                run = LoaderRun(url, args.workers, link, gets, **limited)
+                run.epoch()
+                run.epoch()
+                runs[name] = run.close() | {"limit_mb": total / 4e6, "policy": policy}
+        finally:
+            gets.uninstall()
+    remote.POLICY = BELADY
+    link.server.shutdown()
     return {
-        "policy": policy,
-        "limit_mb": limit / 1e6,
-        "epoch1_mb_per_s": size / first_s / 1e6,
-        "epoch2_mb_per_s": size / second_s / 1e6,
-        "epoch2_hit_rate": hits / gets,
-        "hit_rate": stats.hit_rate,
-        "downloaded_mb": stats.downloaded_bytes / 1e6,
-        "evictions": stats.evictions,
+        "config": {
+            "command": "python benchmarks/shard_cache.py",
+            "json_name": "shard_cache.json",
+            "format": "wds",
+            "shards": len(shards),
+            "dataset_mb": total / 1e6,
+            "samples": manifest.split("train").samples,
+            "sample_kb": SAMPLE_BYTES >> 10,
+            "batch_size": BATCH,
+            "workers": args.workers,
+            "delay_ms": args.delay_ms,
+            "bandwidth_mbps": args.bandwidth_mbps,
+            "cpus": usable_cpus(),
+            "python": sys.version.split()[0],
+            "pid": os.getpid(),
+        },
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "runs": runs,
     }
 
 
 def markdown(result: dict[str, Any]) -> str:
-    cfg, local = result["config"], result["local_mb_per_s"]
+    cfg, runs = result["config"], result["runs"]
+    local_rates = runs["local disk"]["samples_per_s"][1:]
+    local = statistics.median(local_rates)
     lines = [
-        "# Shard cache: a slow S3 endpoint, read through the order-aware cache",
+        "# Shard cache: a remote dataset read through make_loader, against local disk",
         "",
-        f"{cfg['shards']} shards of {cfg['shard_mb']} MB, two shuffled epochs; S3 (moto) behind "
-        f"{cfg['delay_ms']} ms per request and {cfg['bandwidth_mbps']} MB/s in all; local disk "
-        f"reads the same shards at {local:.0f} MB/s (each shard read and hashed).",
+        f"A {cfg['format']} dataset of {cfg['shards']} shards ({cfg['dataset_mb']:.0f} MB, "
+        f"{cfg['samples']} samples of {cfg['sample_kb']} KB, each hashed by the transform), "
+        f"batch {cfg['batch_size']}, {cfg['workers']} workers, shuffled; S3 (moto) behind "
+        f"{cfg['delay_ms']:.0f} ms per request and {cfg['bandwidth_mbps']:.0f} MB/s in all.",
         "",
-        "| cache | limit | epoch 2 MB/s | vs local disk | epoch 2 hit rate | hit rate (2 epochs)"
-        " | MB downloaded |",
+        "| loader | cache limit | epoch 1 samples/s | later epochs samples/s (median)"
+        " | vs local disk | epoch 2: shards read, downloaded | epoch 2 hit rate |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, row in result["runs"].items():
+    for name, row in runs.items():
+        rates, limit = row["samples_per_s"], row.get("limit_mb")
+        warm = statistics.median(rates[1:])
+        shown = "-" if limit is None else f"{limit:.0f} MB"
+        got = "-" if limit is None else f"{row['gets'][1]}, {row['downloads'][1]}"
+        hit = "-" if limit is None else f"{row['hit_rate'][1]:.1%}"
         lines.append(
-            f"| {name} | {row['limit_mb']:.0f} MB | {row['epoch2_mb_per_s']:.0f} | "
-            f"{row['epoch2_mb_per_s'] / local:.2f}x | {row['epoch2_hit_rate']:.1%} | "
-            f"{row['hit_rate']:.1%} | {row['downloaded_mb']:.0f} |"
+            f"| {name} | {shown} | {rates[0]:.0f} | {warm:.0f} | {warm / local:.2f}x "
+            f"| {got} | {hit} |"
         )
-    full, belady, lru = (result["runs"][k] for k in ("full", "quarter belady", "quarter lru"))
-    ratio = full["epoch2_mb_per_s"] / local
+    full, belady, lru = (
+        runs[k] for k in ("full cache", "quarter cache, belady", "quarter cache, lru")
+    )
+    ratio = statistics.median(full["samples_per_s"][1:]) / local
     lines += [
         "",
         "Goals:",
         "",
-        f"- full-size cache, epoch 2 at least 0.9x local disk: {ratio:.2f}x, {met(ratio >= 0.9)}",
-        f"- quarter-size cache, Belady's hit rate above LRU's: {belady['hit_rate']:.1%} vs "
-        f"{lru['hit_rate']:.1%}, {met(belady['hit_rate'] > lru['hit_rate'])}",
+        f"- full-size cache, later epochs at least 0.9x local disk's: {ratio:.2f}x, "
+        f"{met(ratio >= 0.9)}",
+        f"- quarter-size cache, Belady against LRU in epoch 2: {belady['downloads'][1]} vs "
+        f"{lru['downloads'][1]} shards downloaded "
+        f"({met(belady['downloads'][1] < lru['downloads'][1])}: fewer), "
+        f"{belady['samples_per_s'][1]:.0f} vs {lru['samples_per_s'][1]:.0f} samples/s, hit rate "
+        f"{belady['hit_rate'][1]:.1%} vs {lru['hit_rate'][1]:.1%} (a prefetched shard is a "
+        "miss: LRU also evicts shards it prefetched before they are read, and fetches them "
+        "again)",
+        f"- the local disk's later epochs ranged {min(local_rates):.0f} to "
+        f"{max(local_rates):.0f} samples/s on this shared machine: the ratio is as noisy",
         "",
         f"On {cfg['cpus']} usable CPUs (shared with other work). {generated_line(result)}",
         "",
@@ -250,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=64)
     parser.add_argument("--shard-mb", type=float, default=4.0)
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--bandwidth-mbps", type=float, default=100.0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -257,49 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     server, port = start_moto()
     try:
-        result = measure(args, port)
+        with tempfile.TemporaryDirectory(prefix="dlpipe-bench-local-") as local:
+            folder = write_dataset(Path(local) / "data", args.shards, args.shard_mb)
+            result = measure(args, port, folder)
     finally:
         server.terminate()
         server.wait(timeout=10)
     result["total_s"] = time.perf_counter() - started
     write_results(Path(args.out), "shard_cache", result, markdown)
     return 0
-
-
-def measure(args: argparse.Namespace, port: int) -> dict[str, Any]:
-    size = int(args.shard_mb * 1e6)
-    with tempfile.TemporaryDirectory(prefix="dlpipe-bench-local-") as local:
-        shards = upload(port, Path(local), args.shards, size)
-        names, rng = [s.name for s in shards], random.Random(1)
-        epochs = [rng.sample(names, len(names)), rng.sample(names, len(names))]
-        read_local(Path(local), epochs[0])  # the page cache warm, as the cache's copy will be
-        local_s = statistics.median(read_local(Path(local), epochs[1]) for _ in range(3))
-    link = SlowLink(port, args.delay_ms / 1000, args.bandwidth_mbps * 1e6)
-    total, runs = size * args.shards, {}
-    for name, limit, policy, passes in (
-        ("full", total, BELADY, 3),
-        ("quarter belady", total // 4, BELADY, 1),
-        ("quarter lru", total // 4, LRU, 1),
-    ):
-        log(f"{name}: limit {limit / 1e6:.0f} MB")
-        runs[name] = run_cache(link, shards, epochs, limit, policy, passes)
-    link.server.shutdown()
-    return {
-        "config": {
-            "command": "python benchmarks/shard_cache.py",
-            "json_name": "shard_cache.json",
-            "shards": args.shards,
-            "shard_mb": args.shard_mb,
-            "delay_ms": args.delay_ms,
-            "bandwidth_mbps": args.bandwidth_mbps,
-            "cpus": usable_cpus(),
-            "python": sys.version.split()[0],
-            "pid": os.getpid(),
-        },
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "local_mb_per_s": size * args.shards / local_s / 1e6,
-        "runs": runs,
-    }
 
 
 if __name__ == "__main__":

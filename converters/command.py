@@ -13,7 +13,7 @@ from dlpipe import storage
 from dlpipe.converters.engine import ConvertConfig, ConvertResult, convert
 from dlpipe.converters.plan import Plan
 from dlpipe.converters.worker import TaskResult
-from dlpipe.dataset_names import ERRORS_NAME
+from dlpipe.dataset_names import DUPLICATES_NAME, ERRORS_NAME
 from dlpipe.inspection import duplicates_line, format_bytes, source_lines
 from dlpipe.options import add_config_command
 from dlpipe.text import Interrupted, shown
@@ -78,13 +78,25 @@ def _convert_with_progress(config: ConvertConfig, console: Console) -> ConvertRe
 
 
 def _summary(result: ConvertResult, console: Console) -> None:
-    table = Table("split", "samples", "shards", "size", title=f"wrote {shown(result.out)}")
-    for name, split in result.manifest.splits.items():
+    manifest = result.manifest
+    if result.discarded_shards:
+        console.print(
+            f"deleted {result.discarded_shards} shards of an unfinished append (never listed "
+            "in the manifest) before appending"
+        )
+    added = manifest.version_records()[-1]
+    title = f"wrote {shown(result.out)}"
+    if manifest.version > 1:
+        title = f"appended version {manifest.version} to {shown(result.out)}"
+    table = Table("split", "samples", "shards", "size", title=title)
+    for name, split in manifest.splits.items():
+        part = added.splits.get(name)
+        new = f" (+{part.samples})" if manifest.version > 1 and part is not None else ""
         table.add_row(
-            shown(name), str(split.samples), str(len(split.shards)), format_bytes(split.bytes)
+            shown(name), f"{split.samples}{new}", str(len(split.shards)), format_bytes(split.bytes)
         )
     console.print(table)
-    written = sum(s.samples for s in result.manifest.splits.values())
+    written = sum(s.samples for s in added.splits.values())
     rate = written / result.seconds if result.seconds else 0.0
     console.print(
         f"{written} samples in {result.seconds:.1f} s ({rate:.0f} samples/s, "
@@ -100,6 +112,22 @@ def _summary(result: ConvertResult, console: Console) -> None:
         )
     else:
         console.print("skipped 0 samples")
-    audit = duplicates_line(result.manifest.source.get("duplicates"))
+    source = added.source if manifest.version > 1 else manifest.source
+    audit = duplicates_line(source.get("duplicates"))
     if audit:
         console.print(audit)
+    _copies_line(source.get("duplicates"), console)
+
+
+def _copies_line(report: object, console: Console) -> None:
+    """With ``--append``: how many new samples are exact copies of the dataset's."""
+    if not isinstance(report, dict):
+        return
+    copies = report.get("of_existing")
+    if not isinstance(copies, int) or isinstance(copies, bool) or copies <= 0:
+        return
+    console.print(
+        f"[yellow]{copies} new samples are exact copies of samples the dataset holds[/yellow] "
+        f"(listed in {DUPLICATES_NAME}; "
+        + ("--dedup left them out)" if report.get("dropped") else "--dedup leaves them out)")
+    )

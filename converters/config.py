@@ -1,6 +1,6 @@
 """`ConvertConfig`: everything ``dlpipe convert`` takes, as nested keyword-only dataclasses.
 
-    ConvertConfig(raw, to, out, resume, overwrite)
+    ConvertConfig(raw, to, out, resume, overwrite, append)
       .source   SourceOptions  --source --image-col --label-col --image-root --key-col
                                --keep-empty-classes --label-from --instance-masks
       .images   ImagePolicy    --max-side --quality --seekable-jpeg
@@ -55,7 +55,7 @@ __all__ = [
     "option_specs",
 ]
 
-RUN_OPTIONS = ("out", "resume", "overwrite", "engine", "workers", "ray_address")
+RUN_OPTIONS = ("out", "resume", "overwrite", "append", "engine", "workers", "ray_address")
 """Options about one run, not about the dataset it makes: left out of the resolved config
 ``dlpipe convert`` writes beside the shards (``convert.toml``, `CONVERT_CONFIG_NAME`), so every
 run that makes the same dataset (on Ray or locally, with any worker count, resumed or not)
@@ -146,6 +146,12 @@ class ConvertConfig(_Checked):
     )
     resume: bool = option("finish an interrupted conversion", default=False)
     overwrite: bool = option("replace the dataset in --out", default=False)
+    append: bool = option(
+        "add the raw data to the dataset in --out as its next version: new shards only, made "
+        "with the dataset's format and image options (keys stay unique; --dedup skips exact "
+        "copies of its samples)",
+        default=False,
+    )
     source: SourceOptions = field(default_factory=SourceOptions)
     images: ImagePolicy = field(default_factory=ImagePolicy)
     shards: ShardConfig = field(default_factory=ShardConfig)
@@ -155,6 +161,11 @@ class ConvertConfig(_Checked):
         super().__post_init__()
         if self.resume and self.overwrite:
             raise ConvertOptionError("--resume and --overwrite contradict each other; choose one")
+        if self.append and self.overwrite:
+            raise ConvertOptionError(
+                "--append and --overwrite contradict each other: --append adds a version to the "
+                "dataset in --out, --overwrite replaces it; choose one"
+            )
 
     @classmethod
     def from_options(cls, raw: str | os.PathLike[str], to: str, **values: Any) -> ConvertConfig:
@@ -186,13 +197,15 @@ class ConvertConfig(_Checked):
         return self.out or default_out(self.raw, self.to)
 
     def command(self, action: str) -> str:
-        """The ``dlpipe convert`` command line that repeats this conversion with `action`.
+        """The ``dlpipe convert`` command line that repeats this conversion with `action`
+        (none: "").
 
-        Every option that shapes the output is in it, so the printed ``--resume`` command
-        matches the interrupted run's plan.
+        Every option that shapes the output is in it (and ``--append``), so the printed
+        ``--resume`` command matches the interrupted run's plan.
         """
         parts = ["dlpipe", "convert", self.raw, "--to", self.to, "--out", self.output()]
-        return shlex.join([*parts, *self.option_args(), action])
+        appending = ["--append"] if self.append else []
+        return shlex.join([*parts, *self.option_args(), *appending, *([action] if action else [])])
 
     def option_args(self) -> list[str]:
         """The flags (and values) of every repeated option that differs from its default."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dlpipe import storage
+from dlpipe.converters import append, append_run
 from dlpipe.converters.archive_view import unpacked_view
 from dlpipe.converters.audit import (
     DuplicateGroup,
@@ -90,6 +91,8 @@ class ConvertResult:
     reencoded: int
     payload_bytes: int
     resumed_shards: int = 0
+    discarded_shards: int = 0
+    """With ``--append``: the shards of an unfinished append that this run deleted."""
 
 
 Progress = Callable[[TaskResult], None]
@@ -118,6 +121,12 @@ class PlannedConversion:
     dedup_groups: tuple[DuplicateGroup, ...] = ()
     """``--dedup``'s duplicate groups, found before planning (their extra copies are not in
     the plan); empty without ``--dedup``, when the writing pass's fingerprints are audited."""
+    base: append.AppendBase | None = None
+    """With ``--append``: the dataset this run adds a version to."""
+    stored: dict[tuple[str, str], append.StoredSample] | None = None
+    """With ``--append``: the dataset's samples (`append.read_stored`)."""
+    dedup_copies: tuple[dict[str, Any], ...] = ()
+    """``--append --dedup``: the new samples left out as exact copies of the dataset's."""
 
 
 def plan_conversion(config: ConvertConfig) -> PlannedConversion:
@@ -126,6 +135,9 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     out = config.output()
     require_storage(fmt, out)
     check_out_outside_raw(config)
+    base = append.open_base(out, config.to) if config.append else None
+    if base is not None and config.resume:
+        append_run.check_resumable(config, base)
     wanted = config.source
     view = unpacked_view(config.raw)
     if view is not None and config.engine.kind == "ray":
@@ -139,8 +151,13 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     if not scan.items:
         raise SourceError(f"{config.raw}: the {source.kind} source holds no samples")
     scan = _with_classes(scan)
-    image = replace(config.images, field=image_field_for(scan))
+    if base is not None:
+        scan = append.fit_scan(base, scan)
+    kind = append.image_field(base) if base is not None else image_field_for(scan)
+    image = replace(config.images, field=kind)
     recorded = config.output_options(image.field, source.kind)
+    if base is not None:
+        append.check_options(base, recorded)
 
     def planned(items: Scan) -> Plan:
         return make_plan(
@@ -156,7 +173,9 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
                 "image_root": wanted.image_root,
                 "key_col": wanted.key_col,
                 "label_from": wanted.label_from,
+                **({"append_to": base.sha256} if base is not None else {}),
             },
+            first_index=base.first_index() if base is not None else None,
         )
 
     worker = WorkerConfig(
@@ -168,10 +187,23 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
     )
     plan = planned(scan)
     groups: tuple[DuplicateGroup, ...] = ()
-    if config.shards.dedup:
+    stored: dict[tuple[str, str], append.StoredSample] | None = None
+    copies: list[dict[str, Any]] = []
+    if base is not None:
+        append.check_labels(base, plan)
+        stored = append.read_stored(base, image.field)
+    if config.shards.dedup and stored is not None:
+        groups, copies = append_run.dedup_pass(source, plan, worker, config.engine, base, stored)
+        _, dropped = kept_and_dropped(groups)
+        gone = {(m["split"], m["key"]) for c in copies for m in c["samples"][1:]}
+        plan = planned(_without(scan, plan, set(dropped) | gone))
+    elif config.shards.dedup:
         groups = _duplicates(source, plan, worker, config)
         _, dropped = kept_and_dropped(groups)
         plan = planned(_without(scan, plan, set(dropped)))
+    if base is not None and stored is not None:
+        append.check_nothing_left(base, plan, copies)
+        append.check_keys(base, stored, plan)
     account: dict[str, Any] = {
         k: scan.description[k] for k in ("layout", "unused") if k in scan.description
     }
@@ -194,6 +226,9 @@ def plan_conversion(config: ConvertConfig) -> PlannedConversion:
         },
         scan=scan,
         dedup_groups=groups,
+        base=base,
+        stored=stored,
+        dedup_copies=tuple(copies),
     )
 
 
@@ -354,7 +389,11 @@ def _run(
     on_progress: Progress | None,
 ) -> ConvertResult:
     plan, worker = planned.plan, planned.worker
-    done = _prepare(output, plan, config)
+    discarded = 0
+    if planned.base is not None:
+        done, discarded = append_run.take_output(output, planned.base, plan, config)
+    else:
+        done = _prepare(output, plan, config)
     pending = [t for t in plan.tasks if t.name not in done]
     estimated = sum(it.size for t in pending for it in t.items)
     if config.images.seekable:  # restart markers and the standard Huffman tables
@@ -377,15 +416,20 @@ def _run(
             on_progress(result)
     ordered = [done[t.name] for t in plan.tasks]
     skipped = [s for r in ordered for s in r.skipped]
+    if planned.base is not None:
+        manifest = _finish_version(planned, output, ordered, skipped)
+    else:
+        manifest = _finish(planned, output, ordered, skipped, config_toml(config, omit=RUN_OPTIONS))
     return ConvertResult(
         out=output.out,
-        manifest=_finish(planned, output, ordered, skipped, config_toml(config, omit=RUN_OPTIONS)),
+        manifest=manifest,
         seconds=time.perf_counter() - start,
         samples_in=sum(len(t.items) for t in plan.tasks),
         skipped=skipped,
         reencoded=sum(r.reencoded for r in ordered),
         payload_bytes=sum(r.payload_bytes for r in ordered),
         resumed_shards=len(plan.tasks) - len(pending),
+        discarded_shards=discarded,
     )
 
 
@@ -449,6 +493,43 @@ def _finish(
         class_ids=scan.class_ids,
         lists={DUPLICATES_NAME: duplicates, KEYS_NAME: shortened},
         files={CONVERT_CONFIG_NAME: config_text.encode("utf-8")},
+    )
+
+
+def _finish_version(
+    planned: PlannedConversion,
+    output: DatasetOutput,
+    ordered: list[TaskResult],
+    skipped: list[dict[str, Any]],
+) -> Manifest:
+    """``--append``'s `_finish`: the audit (with the new samples that copy the dataset's),
+    the shortened keys and this version's description, handed to the output's owner, which
+    merges the lists and writes the new manifest, last."""
+    plan, base = planned.plan, planned.base
+    assert base is not None and planned.stored is not None
+    duplicates, report = _audit(planned, ordered)
+    copies = list(planned.dedup_copies)
+    if planned.dedup_copies:
+        for record in copies:
+            record["kept"] = record["samples"][0]
+        report["dropped"] += len(copies)
+    else:
+        copies = append_run.copies_written(base, planned.stored, planned.worker, ordered)
+    report["of_existing"] = len(copies)
+    shortened = _shortened_keys(plan, skipped)
+    return output.finish_version(
+        [t.name for t in plan.tasks],
+        base.manifest,
+        base.sha256,
+        classes=plan.classes,
+        class_ids=planned.scan.class_ids,
+        source={
+            **planned.description,
+            "skipped": len(skipped),
+            "shortened_keys": len(shortened),
+            "duplicates": report,
+        },
+        lists={DUPLICATES_NAME: duplicates + copies, KEYS_NAME: shortened},
     )
 
 

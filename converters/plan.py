@@ -13,7 +13,7 @@ import hashlib
 import json
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -81,6 +81,7 @@ def make_plan(
     val_fraction: float | None,
     shard_bytes: int | None,
     options: dict,
+    first_index: Mapping[str, int] | None = None,
 ) -> Plan:
     """Split, shuffle and cut the scanned items into named shard tasks.
 
@@ -92,6 +93,8 @@ def make_plan(
         shard_bytes: target bytes per shard, or None for `default_shard_bytes`.
         options: every option that changes the output, folded into the fingerprint (with the
             class names).
+        first_index: the number of each split's first shard (an append continues after the
+            dataset's shards; 0 for a split not named).
     """
     _check_unique(scan.items)
     by_split = _assign_splits(scan.items, seed, val_fraction)
@@ -101,7 +104,8 @@ def make_plan(
         order = np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(len(items))
         shuffled = [items[i] for i in order]
         target = shard_bytes or default_shard_bytes(sum(it.size for it in shuffled))
-        for index, chunk in enumerate(_cut(shuffled, target)):
+        first = (first_index or {}).get(split, 0)
+        for index, chunk in enumerate(_cut(shuffled, target), start=first):
             name = fmt.shard_name(split, index)
             tasks.append(ShardTask(split=split, name=name, items=tuple(chunk)))
     fingerprint = _fingerprint(tasks, options, scan.classes)

@@ -1,8 +1,9 @@
 """`BenchLoaderConfig`: everything ``dlpipe bench-loader`` takes, one option per field.
 
 The options that say what the batches are (``batch_size``, ``transform``, ``image_size``,
-``min_crop_scale``) make the one `LoaderConfig` ``dlpipe train`` builds from the same values
-(`dlpipe.tune_command`), so the saved profile is found by the training run it was measured for.
+``base_size``, ``min_crop_scale``) make the one `LoaderConfig` ``dlpipe train`` builds from the
+same values (`dlpipe.tune_command`), so the saved profile is found by the training run it was
+measured for.
 Plain data: importing it imports neither torch nor the loading room.
 """
 
@@ -35,11 +36,22 @@ class BenchLoaderConfig(Checked):
     split: str = option("the split measured", default="train")
     batch_size: int = option("samples per batch", default=64, parse=positive_int)
     transform: str = option(
-        "auto: train for the train split, else eval",
+        "the recipe (auto: train for the train split, else eval; detection also has hflip, "
+        "ssd and ssdlite)",
         default="auto",
-        choices=("auto", "train", "eval"),
+        choices=("auto", "train", "eval", "hflip", "ssd", "ssdlite"),
     )
-    image_size: int = option("the side of the batches' images", default=224, parse=positive_int)
+    image_size: int | None = option(
+        "the side of the batches' images (default: the task's: 224 for classification, 480 "
+        "for segmentation; detection images keep their sizes)",
+        default=None,
+        parse=positive_int,
+    )
+    base_size: int | None = option(
+        "segmentation: the side the eval recipe resizes to (default: image size x 520/480)",
+        default=None,
+        parse=positive_int,
+    )
     min_crop_scale: float = option(
         "smallest train crop's area share, as dlpipe train's --min-crop-scale",
         default=0.08,

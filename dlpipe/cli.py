@@ -64,10 +64,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _doctor(args: argparse.Namespace, console: Console) -> int:
-    from dlpipe.doctor import Probe, print_checks, run_checks, to_json
+    from dlpipe.doctor import Probe, data_checks, print_checks, run_checks, to_json
 
     probe = Probe(data_dir=args.data_dir) if args.data_dir else Probe()
-    checks = run_checks(probe)
+    checks = run_checks(probe) + (data_checks(args.data) if args.data else [])
     if args.json:
         print(json.dumps(to_json(checks), indent=2))
     else:
@@ -117,6 +117,9 @@ def build_parser() -> ArgumentParser:
     doctor = sub.add_parser("doctor", help="check the machine: GPUs, drivers, memory, disks")
     doctor.add_argument(
         "--data-dir", help="where datasets live (default: $DLPIPE_DATA_DIR, else here)"
+    )
+    doctor.add_argument(
+        "--data", help="also check a dataset's storage (URL or folder): reach, manifest, speed"
     )
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(handler=_doctor)

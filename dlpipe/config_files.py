@@ -4,7 +4,9 @@
 Keys follow the dataclass nesting (``[source]`` then ``image_col = "path"``); an option's flat
 name is also accepted at the top level. A config file is untrusted input: a regular file of at
 most `MAX_CONFIG_BYTES`, UTF-8; an unknown key is refused with the keys there are. A string
-for a number option is read as its flag reads it (``shard_bytes = "256MB"``).
+for a number option is read as its flag reads it (``shard_bytes = "256MB"``). A list option
+(``tuple[K, ...]``) is an array (``weights = [0.7, 0.3]``; one value alone is a list of one)
+and is written back as one.
 """
 
 from __future__ import annotations
@@ -92,11 +94,13 @@ def _take(
 
 def _as_flag_reads(spec: OptionSpec, value: Any, where: str) -> Any:
     """A file's text for a number option read as its flag reads it (``shard_bytes = "256MB"``:
-    TOML has no size literal); any other value as it is.
+    TOML has no size literal), a list option's array item by item; any other value as it is.
 
     Raises:
         OptionError: the text breaks the option's rule (naming `where` and the value).
     """
+    if spec.many and isinstance(value, list):
+        return [_as_flag_reads(spec, item, where) for item in value]
     if not (isinstance(value, str) and spec.kind in ("int", "float") and spec.parse):
         return value
     try:

@@ -3,6 +3,11 @@
 Each check is a pure function of facts a `Probe` gathers (torch and its CUDA build, the GPUs,
 ``nvidia-smi``, memory, ``/dev/shm``, limits, the data disk), so tests give a fake probe what a
 machine without GPUs lacks and the checks run exactly as they do for real.
+
+``dlpipe doctor --data URL`` adds the dataset's storage (`data_checks`): whether it answers,
+the manifest found there, the read bandwidth of one shard (at most `BANDWIDTH_BYTES`), and the
+free space of the folder its shard cache would use; storage that does not answer is one
+`DataUnreachableError`.
 """
 
 from __future__ import annotations
@@ -12,20 +17,41 @@ import re
 import resource
 import shutil
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.markup import escape
 
 from dlpipe import storage, turbojpeg
+from dlpipe.errors import DlpipeError
 from dlpipe.machine import usable_cpus
+from dlpipe.manifest import MANIFEST_NAME, Manifest, read_manifest
+from dlpipe.shard_fetch import open_url
+from dlpipe.shard_store import cache_folder
 
-__all__ = ["Check", "GpuInfo", "Probe", "print_checks", "run_checks", "to_json"]
+__all__ = [
+    "BANDWIDTH_BYTES",
+    "Check",
+    "DataUnreachableError",
+    "GpuInfo",
+    "Probe",
+    "data_checks",
+    "print_checks",
+    "run_checks",
+    "to_json",
+]
 
 GiB = 1 << 30
 SHM_MIN_BYTES = 1 * GiB
 OPEN_FILES_MIN = 4096
 RAM_PER_GPU_MEMORY = 1.5
+BANDWIDTH_BYTES = 32 << 20
+"""``doctor --data`` reads at most this much of one shard to measure the read bandwidth."""
+
+
+class DataUnreachableError(DlpipeError, OSError):
+    """``doctor --data``: the storage at the URL did not answer a listing."""
 
 
 @dataclass(frozen=True)
@@ -345,6 +371,83 @@ def _data_disk(probe: Probe) -> list[Check]:
         status = "warning" if spinning else "ok"
         out.append(Check("disk kind", status, f"{where} is {kind}", fix))
     return out
+
+
+def data_checks(url: str, cache_dir: str | None = None) -> list[Check]:
+    """The dataset storage at `url`, one check each: it answers (a listing), the manifest
+    found there, the read bandwidth of its first shard, and (a URL) its cache's free space.
+
+    Raises:
+        DataUnreachableError: the storage does not answer (named, with the fix).
+    """
+    names, seconds = _listing(url)
+    where = f"{url}: {len(names)} entries listed in {seconds * 1000:.0f} ms"
+    checks = [Check("data reachable", "ok", where)]
+    manifest, check = _manifest(url, names)
+    checks.append(check)
+    if manifest is None:
+        return checks
+    shards = [s for split in manifest.splits.values() for s in split.shards]
+    if shards:
+        checks.append(_bandwidth(storage.join(url, shards[0].name), shards[0].bytes))
+    if storage.is_url(url):
+        checks.append(_cache_space(url, cache_dir, sum(s.bytes for s in shards)))
+    return checks
+
+
+def _listing(url: str) -> tuple[list[str], float]:
+    import fsspec
+
+    started = time.monotonic()
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        names = sorted(os.path.basename(str(n).rstrip("/")) for n in fs.ls(path, detail=False))
+    except Exception as exc:  # fsspec, botocore and aiohttp errors alike
+        raise DataUnreachableError(
+            f"{url} cannot be listed ({type(exc).__name__}: {exc}); check the URL, the "
+            "endpoint (AWS_ENDPOINT_URL or the fsspec options) and the credentials"
+        ) from None
+    return names, time.monotonic() - started
+
+
+def _manifest(url: str, names: list[str]) -> tuple[Manifest | None, Check]:
+    if MANIFEST_NAME not in names:
+        found = f"{len(names)} entries" if names else "nothing"
+        fix = "point --data at the folder holding dlpipe.json (a finished dlpipe convert)"
+        return None, Check("data manifest", "problem", f"{url} holds {found}, no dlpipe.json", fix)
+    try:
+        manifest = read_manifest(url)
+    except DlpipeError as exc:
+        return None, Check("data manifest", "problem", str(exc), "re-run the conversion")
+    splits = ", ".join(
+        f"{name} {split.samples} samples in {len(split.shards)} shards"
+        for name, split in manifest.splits.items()
+    )
+    return manifest, Check("data manifest", "ok", f"{manifest.format}: {splits}")
+
+
+def _bandwidth(url: str, size: int) -> Check:
+    wanted, read, started = min(size, BANDWIDTH_BYTES), 0, time.monotonic()
+    try:
+        with open_url(url) as f:
+            while read < wanted and (chunk := f.read(min(8 << 20, wanted - read))):
+                read += len(chunk)
+    except Exception as exc:
+        detail = f"{url} cannot be read ({type(exc).__name__}: {exc})"
+        return Check("data read", "problem", detail, "check read permission on the shards")
+    seconds = max(time.monotonic() - started, 1e-9)
+    detail = f"{read / seconds / 1e6:.1f} MB/s ({read / 1e6:.1f} MB of {url} in {seconds:.2f} s)"
+    return Check("data read", "ok", detail)
+
+
+def _cache_space(url: str, cache_dir: str | None, dataset_bytes: int) -> Check:
+    folder = cache_folder(url, cache_dir)
+    free = shutil.disk_usage(storage.existing_ancestor(folder)).free
+    detail = f"{folder}: {free / 1e9:.1f} GB free for a {dataset_bytes / 1e9:.2f} GB dataset"
+    if free < dataset_bytes:
+        fix = "shards are evicted and downloaded again each epoch: point cache_dir at a bigger disk"
+        return Check("shard cache", "warning", detail, fix)
+    return Check("shard cache", "ok", detail)
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -24,12 +24,16 @@ version 1 (all keys required unless marked optional)::
       "source": {...},                                    # where the samples came from
       "task": "detection",                                # optional: what the dataset is for
       "field_schemas": {"boxes.json": {"kind": "boxes", ...}},  # optional: annotations' kinds
-      "class_ids": [1, 2, 3, 5]                           # optional: the dataset's own class ids
+      "class_ids": [1, 2, 3, 5],                          # optional: the dataset's own class ids
+      "version": 2, "versions": [...]                     # optional: from the first append on
     }
 
-The optional keys are written only when a source knows them (`dlpipe.annotations`).
+The optional keys are written only when a source knows them (`dlpipe.annotations`); ``version``
+and ``versions`` (what each ``dlpipe convert --append`` added, `dlpipe.manifest_versions`) only
+once a dataset has more than one version: a manifest without them is version 1.
 
-It never holds timestamps or host names: the same input and options give the same bytes.
+It never holds host names, and a dataset of one version no timestamp: the same input and options
+give the same bytes (each appended version records its date).
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dlpipe import storage
 from dlpipe._version import __version__
 from dlpipe.annotations import TASKS, check_field_schemas
 from dlpipe.dataset_names import MANIFEST_NAME, PROFILES_NAME, SHARD_SUFFIXES, check_format
-from dlpipe.errors import ManifestError, ManifestNotFoundError
+from dlpipe.errors import DlpipeError, ManifestError, ManifestNotFoundError
+from dlpipe.manifest_versions import VersionInfo, VersionSplit, parse_versions, versions_json
 from dlpipe.sample import check_field_name
 from dlpipe.unfinished import missing_message
 
@@ -56,9 +61,13 @@ __all__ = [
     "PROFILES_NAME",
     "SCHEMA_VERSION",
     "VALUES_PER_SHARD",
+    "DatasetVersionError",
     "Manifest",
     "ShardInfo",
     "SplitInfo",
+    "VersionInfo",
+    "VersionSplit",
+    "is_later_version",
     "parse_manifest",
     "read_manifest",
     "read_manifest_bytes",
@@ -82,6 +91,10 @@ _INT64_MAX = 2**63 - 1
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _SHARD_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 _SPLIT_NAME_RE = re.compile(r"[A-Za-z0-9_]{1,100}")
+
+
+class DatasetVersionError(DlpipeError, ValueError):
+    """A dataset version that the dataset does not have was asked for."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,13 @@ class Manifest:
     """Annotation field → its kind and conventions (`dlpipe.annotations`)."""
     class_ids: tuple[int | str, ...] | None = None
     """The dataset's own id of each class (COCO's category ids), beside the index."""
+    version: int = 1
+    """The dataset's version: 1, plus one for each ``dlpipe convert --append``."""
+    versions: tuple[VersionInfo, ...] = ()
+    """What each version added (`dlpipe.manifest_versions`); () for a dataset of one version."""
+    version_sha256: str | None = None
+    """Not in the file: set by `at_version` on a view of an earlier version, the sha256 of
+    that version's own ``dlpipe.json`` (what a loader state saved on it names)."""
 
     def split(self, name: str) -> SplitInfo:
         """The split called `name`, or a `KeyError` that lists the splits there are."""
@@ -142,6 +162,55 @@ class Manifest:
         """The fields of split `split`'s samples: its own, else the dataset's."""
         own = self.split(split).fields
         return dict(self.fields if own is None else own)
+
+    def version_records(self) -> tuple[VersionInfo, ...]:
+        """What each version added; for a dataset of one version, its one record."""
+        if self.versions:
+            return self.versions
+        splits = {
+            name: VersionSplit(tuple(s.name for s in info.shards), info.samples)
+            for name, info in self.splits.items()
+        }
+        return (VersionInfo(1, splits),)
+
+    def version_of(self, manifest_sha256: str) -> int | None:
+        """The earlier version whose ``dlpipe.json`` had this sha256, when this one knows it."""
+        for record in self.versions[1:]:
+            if record.appended_to == manifest_sha256:
+                return record.version - 1
+        return None
+
+    def at_version(self, version: int) -> Manifest:
+        """The dataset as it was at `version`: each split's shards of versions 1..`version`
+        (a split that version did not have yet is left out), with that version's records;
+        class counts are known for the latest version only. Class names are kept (an append
+        only adds names at the end, so every label keeps its index).
+
+        Raises:
+            DatasetVersionError: this dataset has no such version.
+        """
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise DatasetVersionError(f"dataset_version={version!r} is not an integer")
+        if not 1 <= version <= self.version:
+            raise DatasetVersionError(
+                f"dataset_version={version} is not a version of this dataset (it has versions "
+                f"1..{self.version}); pass one of those, or None for the latest"
+            )
+        if version == self.version:
+            return self
+        kept = self.version_records()[:version]
+        splits = {}
+        for name, info in self.splits.items():
+            count = sum(len(v.splits[name].shards) for v in kept if name in v.splits)
+            if count:
+                splits[name] = SplitInfo(shards=info.shards[:count], fields=info.fields)
+        return replace(
+            self,
+            splits=splits,
+            version=version,
+            versions=kept if version > 1 else (),
+            version_sha256=self.versions[version].appended_to,
+        )
 
     def to_json(self) -> dict[str, Any]:
         splits = {}
@@ -171,6 +240,7 @@ class Manifest:
             data["field_schemas"] = dict(self.field_schemas)
         if self.class_ids is not None:
             data["class_ids"] = list(self.class_ids)
+        data.update(versions_json(self.version, self.versions))
         return data
 
 
@@ -206,6 +276,16 @@ def read_manifest(folder: str) -> Manifest:
             nested deeper than `MAX_JSON_DEPTH`, not schema version 1, or breaks the schema.
     """
     return parse_manifest(read_manifest_bytes(folder), storage.join(folder, MANIFEST_NAME))
+
+
+def is_later_version(raw: bytes, manifest_sha256: str) -> bool:
+    """Whether the manifest bytes `raw` are a later version of the dataset whose manifest had
+    `manifest_sha256` (an append rewrites no shard of the versions before it); False for
+    bytes that do not parse."""
+    try:
+        return parse_manifest(raw, MANIFEST_NAME).version_of(manifest_sha256) is not None
+    except ManifestError:
+        return False
 
 
 def read_manifest_bytes(folder: str) -> bytes:
@@ -357,6 +437,8 @@ def _parse(data: dict[str, Any]) -> Manifest:
     names = Counter(s.name for split in parsed.values() for s in split.shards)
     twice = sorted(n for n, count in names.items() if count > 1)
     _require(not twice, f"shard {twice[0]!r} is listed twice" if twice else "")
+    listed = {k: [(s.name, s.samples) for s in v.shards] for k, v in parsed.items()}
+    version, versions = parse_versions(data, listed)
     return Manifest(
         format=_string(data["format"], "format"),
         format_version=_count(data["format_version"], "format_version"),
@@ -369,6 +451,8 @@ def _parse(data: dict[str, Any]) -> Manifest:
         task=_task(data.get("task")),
         field_schemas=check_field_schemas(data.get("field_schemas", {}), fields),
         class_ids=_class_ids(data.get("class_ids"), len(classes)),
+        version=version,
+        versions=versions,
     )
 
 

@@ -4,6 +4,10 @@ option names.
 
 Types come from `typing.get_type_hints` (an option is a bool, int, float or str, optionally
 ``| None``), never from ``str(field.type)``; a field whose type is a dataclass is a section.
+A field typed ``tuple[K, ...]`` (K an int, float or str; optionally ``| None``) is a list
+option: its flag takes one or more values, its TOML value is an array and its keyword a
+tuple or list, each item checked by K and the field's rule; one value alone is a list of
+one (so ``path = "data"`` reads as ``path = ["data"]``), and the value is kept as a tuple.
 The public names are re-exported by `dlpipe.options`, the face of the mechanism.
 """
 
@@ -27,6 +31,7 @@ __all__ = [
     "OptionError",
     "OptionSpec",
     "build_config",
+    "items_of",
     "iter_options",
     "option",
     "option_specs",
@@ -34,6 +39,7 @@ __all__ = [
 
 T = TypeVar("T")
 _KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
+_ITEM_KINDS = ("int", "float", "str")  # what a list option's items may be
 
 
 class OptionError(DlpipeError, ValueError):
@@ -86,13 +92,14 @@ class OptionSpec:
     name: str
     path: tuple[str, ...]
     flag: str  # "--quality"; a name without dashes is positional; "": no flag
-    kind: str  # "bool", "int", "float" or "str"
+    kind: str  # "bool", "int", "float" or "str": the value's, or a list option's items'
     optional: bool  # None is allowed
     default: Any  # MISSING: required
     help: str
     parse: Callable[[str], Any] | None
     choices: tuple[str, ...] | None
     metavar: str | None
+    many: bool = False  # a list option (``tuple[kind, ...]``): a tuple of items
 
     @property
     def attr(self) -> str:
@@ -105,9 +112,25 @@ class OptionSpec:
         return self.flag or self.name
 
     def problem(self, value: Any) -> str | None:
-        """What is wrong with `value` for this option (type, then rule); None when nothing."""
+        """What is wrong with `value` for this option (type, then rule); None when nothing.
+        A list option's value is a tuple or list (one value alone: a list of one), each item
+        checked in turn."""
         if value is None and self.optional:
             return None
+        if not self.many:
+            return self._item_problem(value)
+        items = items_of(value)
+        for number, item in enumerate(items, 1):
+            problem = self._item_problem(item)
+            if problem is not None:
+                return (
+                    problem
+                    if len(items) == 1
+                    else f"item {number} of {_cut(repr(value))}: {problem}"
+                )
+        return None
+
+    def _item_problem(self, value: Any) -> str | None:
         wanted: tuple[type, ...] = {"bool": (bool,), "int": (int,), "str": (str,)}.get(
             self.kind, (int, float)
         )
@@ -115,7 +138,9 @@ class OptionSpec:
             given = type(value).__name__
             return (
                 f"{_cut(repr(value))} is {_article(given)} {given}; give {_article(self.kind)} "
-                f"{self.kind}" + (" or None" if self.optional else "")
+                f"{self.kind}"
+                + (f" or a list of {self.kind}s" if self.many else "")
+                + (" or None" if self.optional else "")
             )
         if self.parse is not None:
             try:
@@ -126,7 +151,7 @@ class OptionSpec:
 
     def check(self, value: Any) -> Any:
         """`value` when it is of this option's type and keeps its rule (an int for a float
-        option comes back a float).
+        option comes back a float; a list option's value a tuple).
 
         Raises:
             OptionError: naming the flag, the value and the rule.
@@ -134,7 +159,14 @@ class OptionSpec:
         problem = self.problem(value)
         if problem is not None:
             raise OptionError(f"argument {self.shown_flag}: {problem}")
-        return float(value) if self.kind == "float" and value is not None else value
+        if value is None:
+            return None
+        if self.many:
+            return tuple(self._item(item) for item in items_of(value))
+        return self._item(value)
+
+    def _item(self, value: Any) -> Any:
+        return float(value) if self.kind == "float" else value
 
 
 def option_specs(cls: type) -> list[OptionSpec]:
@@ -143,7 +175,7 @@ def option_specs(cls: type) -> list[OptionSpec]:
 
     Raises:
         TypeError: two options share a flat name, or an option's type is not a bool, int,
-            float or str (optionally ``| None``).
+            float or str, or a ``tuple[...]`` of int, float or str (optionally ``| None``).
     """
     specs = list(_specs(cls, ()))
     names = [s.name for s in specs]
@@ -168,7 +200,7 @@ def _specs(cls: type, prefix: tuple[str, ...]) -> tuple[OptionSpec, ...]:
 
 def _spec_of(f: dataclasses.Field[Any], hint: Any, path: tuple[str, ...]) -> OptionSpec:
     facts = f.metadata
-    kind, optional = _kind_of(hint, path)
+    kind, optional, many = _kind_of(hint, path)
     name = facts["name"] or f.name
     default = f.default_factory() if f.default_factory is not MISSING else f.default
     flag = "--" + name.replace("_", "-") if facts["flag"] is None else facts["flag"]
@@ -183,32 +215,60 @@ def _spec_of(f: dataclasses.Field[Any], hint: Any, path: tuple[str, ...]) -> Opt
         parse=facts["parse"],
         choices=facts["choices"],
         metavar=facts["metavar"],
+        many=many,
     )
 
 
-def _kind_of(hint: Any, path: tuple[str, ...]) -> tuple[str, bool]:
+def _kind_of(hint: Any, path: tuple[str, ...]) -> tuple[str, bool, bool]:
+    """(the kind of the value or of a list option's items, None allowed, a list option)."""
     parts = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if typing.get_origin(hint) is typing.Union:
         parts = typing.get_args(hint)
-    kinds = [_KINDS.get(p) for p in parts if p is not type(None)]
+    kinds = [_item_kind(p) for p in parts if p is not type(None)]
     if len(kinds) != 1 or kinds[0] is None:
-        raise TypeError(f"option {'.'.join(path)}: type {hint} is not bool, int, float or str")
-    return kinds[0], len(parts) > 1
+        raise TypeError(
+            f"option {'.'.join(path)}: type {hint} is not bool, int, float or str, nor a "
+            "tuple[K, ...] of int, float or str"
+        )
+    kind, many = kinds[0]
+    return kind, len(parts) > 1, many
+
+
+def _item_kind(hint: Any) -> tuple[str, bool] | None:
+    """(kind, is a list option) of one part of an option's type, or None when it is none."""
+    if hint in _KINDS:
+        return _KINDS[hint], False
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        kind = _KINDS.get(args[0])
+        return (kind, True) if kind in _ITEM_KINDS else None
+    return None
+
+
+def items_of(value: Any) -> tuple[Any, ...]:
+    """A list option's value as its items: a tuple or list as it is, one value alone as one."""
+    return tuple(value) if isinstance(value, list | tuple) else (value,)
 
 
 class Checked:
     """A config dataclass whose `__post_init__` checks each of its own option fields by its
-    rule (`OptionSpec.check`), so a config made in Python is refused as the CLI refuses it;
-    a subclass may raise its own `OptionError` subclass (`option_error`)."""
+    rule (`OptionSpec.check`), so a config made in Python is refused as the CLI refuses it,
+    and keeps a list option's value as a tuple (a list, or one value alone, given); a
+    subclass may raise its own `OptionError` subclass (`option_error`)."""
 
     option_error: ClassVar[type[OptionError]] = OptionError
 
     def __post_init__(self) -> None:
         cls: Any = type(self)
         for spec in _specs(cls, ()):
-            problem = spec.problem(getattr(self, spec.attr)) if len(spec.path) == 1 else None
+            if len(spec.path) != 1:
+                continue
+            value = getattr(self, spec.attr)
+            problem = spec.problem(value)
             if problem is not None:
                 raise self.option_error(f"argument {spec.shown_flag}: {problem}")
+            if spec.many and value is not None:
+                object.__setattr__(self, spec.attr, spec.check(value))  # frozen ones too
 
 
 def build_config(cls: type[T], values: Mapping[str, Any]) -> T:

@@ -16,6 +16,7 @@ __all__ = [
     "area_share",
     "fraction",
     "int_in_range",
+    "non_negative_float",
     "non_negative_int",
     "one_of",
     "parse_size",
@@ -59,6 +60,11 @@ def positive_float(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text} is not a number above 0")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number of at least 0 (a mixture's weight)."""
+    return _float_in(text, lambda v: 0 <= v < math.inf, "a finite number of at least 0")
 
 
 def area_share(text: str) -> float:

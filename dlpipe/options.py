@@ -10,6 +10,9 @@ help line, its default and its rule, and is at once
 - a Python keyword (`build_config`, flat names),
 
 checked by one rule (`OptionSpec.check`), so a bad value gets the same message from each.
+A list option (a field typed ``tuple[K, ...]``) takes several values: positional, as words
+(``dlpipe train A B``); as a flag, as words or separated by commas (``--weights 0.7 0.3`` and
+``--weights 0.7,0.3`` are the same); in TOML an array; in Python a tuple or list.
 Order of precedence everywhere: the dataclass defaults < ``--config FILE`` < flags given
 (`config_from_args`). `config_toml` writes the resolved config, which reads back the same.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING
 from typing import Any, TypeVar
@@ -40,6 +44,7 @@ from dlpipe.option_specs import (
     OptionError,
     OptionSpec,
     build_config,
+    items_of,
     iter_options,
     option,
     option_specs,
@@ -48,6 +53,7 @@ from dlpipe.option_values import (
     area_share,
     fraction,
     int_in_range,
+    non_negative_float,
     non_negative_int,
     one_of,
     parse_size,
@@ -58,6 +64,7 @@ from dlpipe.option_values import (
 __all__ = [
     "MAX_CONFIG_BYTES",
     "Checked",
+    "ListFlag",
     "MissingOptionError",
     "OptionError",
     "OptionSpec",
@@ -71,7 +78,9 @@ __all__ = [
     "fraction",
     "given_options",
     "int_in_range",
+    "items_of",
     "iter_options",
+    "non_negative_float",
     "non_negative_int",
     "one_of",
     "option",
@@ -94,7 +103,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Collection[
     Every argument's default is None ("not given"), so the defaults live in the dataclass and
     a ``--config`` file can set what no flag gave; a bool is a switch (``store_const`` True,
     and ``--no-NAME`` when its default is True); a positional option with a default may be
-    left out.
+    left out. A list option takes one or more values: positional, as words; as a flag, as
+    words or comma-separated (`ListFlag`).
     """
     for spec in option_specs(cls):
         if spec.name in skip or not spec.flag:
@@ -102,8 +112,19 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Collection[
         spec = dataclasses.replace(spec, help=_with_default(spec))
         if not spec.flag.startswith("-"):
             nargs = None if spec.default is MISSING else "?"
+            if spec.many:
+                nargs = "+" if spec.default is MISSING else "*"
             parser.add_argument(
-                spec.name, metavar=spec.flag, nargs=nargs, type=spec.parse or str, help=spec.help
+                spec.name, metavar=spec.flag, nargs=nargs, type=_item_type(spec), help=spec.help
+            )
+        elif spec.many:
+            parser.add_argument(
+                spec.flag,
+                dest=spec.name,
+                nargs="+",
+                action=functools.partial(ListFlag, read=_item_type(spec)),  # type: ignore[arg-type]
+                metavar=spec.metavar,
+                help=spec.help,
             )
         elif spec.kind == "bool":
             parser.add_argument(
@@ -115,23 +136,61 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Collection[
                     negative, dest=spec.name, action="store_const", const=False, help=help
                 )
         else:
-            kind = spec.parse or {"int": int, "float": float}.get(spec.kind, str)
             parser.add_argument(
-                spec.flag, dest=spec.name, type=kind, metavar=spec.metavar, help=spec.help
+                spec.flag,
+                dest=spec.name,
+                type=_item_type(spec),
+                metavar=spec.metavar,
+                help=spec.help,
             )
+
+
+def _item_type(spec: OptionSpec) -> Callable[[str], Any]:
+    """The argparse type of one value of `spec`: its rule, else its kind's constructor."""
+    return spec.parse or {"int": int, "float": float}.get(spec.kind, str)
+
+
+class ListFlag(argparse.Action):
+    """A list option's flag: ``--weights 0.7 0.3`` or ``--weights 0.7,0.3`` (each word split
+    at its commas), each value read by `read` (the option's type); a bad one is the parser's
+    error, as a plain flag's is."""
+
+    def __init__(self, *args: Any, read: Callable[[str], Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read = read
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        pieces = [piece for word in values for piece in word.split(",") if piece.strip()]
+        setattr(namespace, self.dest, [self._read(piece) for piece in pieces])
+
+    def _read(self, piece: str) -> Any:
+        try:
+            return self.read(piece)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        except ValueError:
+            name = getattr(self.read, "__name__", "value")
+            raise argparse.ArgumentError(self, f"invalid {name} value: {piece!r}") from None
 
 
 def _with_default(spec: OptionSpec) -> str:
     """The help line, with the default when it does not say it (a switch's is off)."""
-    if spec.kind == "bool" or spec.default in (MISSING, None, "") or "default" in spec.help:
+    if spec.kind == "bool" or spec.default in (MISSING, None, "", ()) or "default" in spec.help:
         return spec.help
     return f"{spec.help} (default {spec.default})"
 
 
 def given_options(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The options of `cls` given on the command line: flat name → value."""
+    """The options of `cls` given on the command line: flat name → value (a list option left
+    out, as positional words, is not given)."""
     given = {s.name: getattr(args, s.name, None) for s in option_specs(cls)}
-    return {name: value for name, value in given.items() if value is not None}
+    return {name: value for name, value in given.items() if value is not None and value != []}
 
 
 def add_config_command(

@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 _SMOOTHING = 0.3  # weight of the newest measurement in the moving averages
+_LOCK_RETRY_S = 0.02  # a download waits this long between tries of a shard's busy lock
 
 
 class ShardCacheLimitError(DlpipeError, ValueError):
@@ -91,6 +92,9 @@ class ShardCache:
             shards ahead (0: download only what `get` asks for).
         retry: how failed downloads are retried.
         storage_options: fsspec options for the storage (timeouts, endpoint, retries).
+        readers: how many processes of the node read through this folder at once (the
+            DataLoader workers of every local rank): each keeps its prefetch window to
+            ``1 / readers`` of half the limit.
 
     Raises:
         ShardCacheLimitError: the limit is smaller than the largest shard.
@@ -109,8 +113,10 @@ class ShardCache:
         prefetch: int | None = None,
         retry: RetryPolicy | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        readers: int = 1,
     ) -> None:
         shards = _checked_shards(manifest_shards, cache_limit_bytes, policy, threads)
+        self._readers = max(1, readers)
         if prefetch is not None and prefetch < 0:
             raise ValueError(f"prefetch={prefetch}: give None (measured) or a count >= 0")
         self._prefetch = prefetch
@@ -194,6 +200,12 @@ class ShardCache:
                 os.close(self._use_fds.pop(name))
             self._schedule()
 
+    def used(self, name: str) -> None:
+        """The reader read `name` again while holding it: the plan moves past this use (so
+        next-use ranks and the prefetch window follow a reader that keeps shards open)."""
+        with self._changed:
+            self._plan.take(name)
+
     def stats(self) -> CacheStats:
         """What this cache has done so far."""
         with self._changed:
@@ -239,8 +251,11 @@ class ShardCache:
         while True:
             with self._changed:
                 future = self._inflight.get(name)
-                if future is None and not self._store.is_cached(name):
+                while future is None and not self._store.is_cached(name):
                     future = self._start_needed(name)
+                    if future is None:
+                        self._changed.wait()  # for a prefetch of this process to land
+                    future = future or self._inflight.get(name)
             if future is not None:
                 future.result()
             fd = self._store.open_shared(name)
@@ -248,9 +263,10 @@ class ShardCache:
                 return fd
             os.close(fd)
 
-    def _start_needed(self, name: str) -> Future[bool]:
+    def _start_needed(self, name: str) -> Future[bool] | None:
         """Start downloading `name`, needed now (called holding `_changed`), making room by
-        evicting any shard not in use.
+        evicting any shard not in use; None when only this process's prefetches in flight
+        stand in the way (they become evictable when they land).
 
         Raises:
             ShardCacheLimitError: the shards in use leave no room for it.
@@ -258,6 +274,8 @@ class ShardCache:
         self._failed.discard(name)
         size = self._store.shards[name].bytes
         if not self._make_room(size, self._plan.cursor - 1, needed_now=True):
+            if self._inflight:
+                return None
             raise ShardCacheLimitError(
                 f"shard {name!r} ({size} bytes) does not fit in the cache limit of "
                 f"{self.cache_limit_bytes} bytes beside the shards being read now; raise "
@@ -272,24 +290,38 @@ class ShardCache:
         return future
 
     def _download(self, name: str) -> bool:
-        """Fetch `name` unless another process did; True when this call downloaded it."""
+        """Fetch `name` unless another process did; True when this call downloaded it.
+
+        The shard's lock is tried, not waited for: a process that downloads it holds it a
+        while, and one that reads it (shared) may hold it for as long as it keeps the shard
+        open, so the lock is tried again until this process has it or the shard is there."""
         shard, started = self._store.shards[name], time.monotonic()
-        with self._store.exclusive(name):
+        while True:
+            with self._store.exclusive(name, blocking=False) as held:
+                if held:
+                    if self._store.is_cached(name):
+                        return False
+                    self._fetch_published(shard)
+                    break
             if self._store.is_cached(name):
                 return False
-            try:
-                self._fetch_to_part(shard)
-            except CacheDiskFullError:
-                if not self._evict_for_disk(name):
-                    raise
-                self._fetch_to_part(shard)
-            self._store.publish(name)
+            time.sleep(_LOCK_RETRY_S)
         elapsed = time.monotonic() - started
         with self._changed:
             self._fetch_s = _smoothed(self._fetch_s, elapsed)
             self._fresh.add(name)
             self._count(downloads=1, downloaded_bytes=shard.bytes)
         return True
+
+    def _fetch_published(self, shard: ShardInfo) -> None:
+        """Download `shard` (holding its lock), evicting once for a full disk, and publish it."""
+        try:
+            self._fetch_to_part(shard)
+        except CacheDiskFullError:
+            if not self._evict_for_disk(shard.name):
+                raise
+            self._fetch_to_part(shard)
+        self._store.publish(shard.name)
 
     def _fetch_to_part(self, shard: ShardInfo) -> None:
         url = self.url_root.rstrip("/") + "/" + shard.name
@@ -330,7 +362,11 @@ class ShardCache:
                 continue  # its reader meets the error at `get`, which tries once more
             if not self._make_room(self._store.shards[name].bytes, position, needed_now=False):
                 return
-            self._submit(name)
+            try:
+                self._submit(name)
+            except RuntimeError:  # the pool is shut down: interpreter exit in a worker
+                self._closed = True
+                return
 
     def _window(self) -> Iterator[tuple[int, str]]:
         """The next `prefetch_depth` distinct shards of the plan, at most half the cache
@@ -338,12 +374,14 @@ class ShardCache:
         Given the whole limit, a cache smaller than the dataset would fill it with the window
         and keep nothing for the next epoch."""
         sizes = {n: s.bytes for n, s in self._store.shards.items()}
-        return self._plan.window(self.prefetch_depth(), self.cache_limit_bytes // 2, sizes)
+        room = self.cache_limit_bytes // 2 // self._readers
+        return self._plan.window(self.prefetch_depth(), room, sizes)
 
     def _make_room(self, size: int, position: int | None, needed_now: bool) -> bool:
         """Evict until `size` more bytes fit; only shards used after `position` (any, when
         `needed_now`). False when that is not enough."""
-        inflight = sum(self._store.shards[n].bytes for n in self._inflight)
+        listed = self._store.listed()  # a landed download is listed before its future is done
+        inflight = sum(self._store.shards[n].bytes for n in self._inflight if n not in listed)
         refused: set[str] = set()
         while self._store.cached_bytes() + inflight + size > self.cache_limit_bytes:
             victim = self._victim(position, needed_now=needed_now, refused=refused)
@@ -361,7 +399,11 @@ class ShardCache:
         window = set() if needed_now else {n for _, n in self._window()}
         busy = {*self._users, *self._getting, *self._inflight, *(refused or ())}
         candidates = [n for n in self._store.listed() if n not in busy]
-        return pick_victim(self._plan, self.policy, candidates, position, protected=window)
+        recorded = self._store.recorded()
+        born = {n: int(recorded.get(n, {}).get("mtime_ns") or 0) for n in candidates}
+        return pick_victim(
+            self._plan, self.policy, candidates, position, protected=window, born=born
+        )
 
     def _evict(self, name: str) -> bool:
         if not self._store.try_evict(name):

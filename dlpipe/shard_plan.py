@@ -71,18 +71,22 @@ def pick_victim(
     candidates: Collection[str],
     position: int | None,
     protected: Collection[str] = (),
+    born: Mapping[str, int] | None = None,
 ) -> str | None:
     """The shard of `candidates` to evict for one used at `position` (None: not in the plan).
 
     Belady: the candidate used furthest ahead (never counts as furthest), only if that is
-    after `position`. LRU: the least recently taken candidate that is not `protected` (the
-    prefetch window, which LRU cannot rank). None when no candidate qualifies.
+    after `position`; of those this reader never uses, the one `born` (downloaded) first:
+    in a folder shared by several readers, a shard another reader fetched just now is
+    likely its next, one fetched long ago likely done with. LRU: the least recently taken
+    candidate that is not `protected` (the prefetch window, which LRU cannot rank). None
+    when no candidate qualifies.
     """
     if policy == LRU:
         allowed = [n for n in candidates if n not in protected]
         return min(allowed, key=plan.last_used, default=None)
-    never = len(plan.order) + 1
+    never, born = len(plan.order) + 1, born or {}
     ranked = {n: never if (p := plan.next_use(n)) is None else p for n in candidates}
-    farthest = max(ranked, key=lambda n: ranked[n], default=None)
+    farthest = max(ranked, key=lambda n: (ranked[n], -born.get(n, 0)), default=None)
     limit = -1 if position is None else position
     return farthest if farthest is not None and ranked[farthest] > limit else None

@@ -12,24 +12,42 @@ What lives in it, all written by the cache (anything else there is never touched
 - ``.dlpipe-cache-index.json``: the verified shards (bytes, sha256 and the file's ``mtime_ns``,
   so a shard is hashed once, not at every start), replaced atomically under
   ``.dlpipe-cache-index.lock``.
+
+Where a dataset's folder is and how large its cache may grow are also decided here
+(`cache_folder`, `cache_limit_bytes`: see `dlpipe.loading.remote`, which reads through it).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
+from dlpipe import storage
 from dlpipe.errors import DlpipeError
 from dlpipe.manifest import ShardInfo
+from dlpipe.option_values import parse_size
 from dlpipe.shard_fetch import file_sha256
 
-__all__ = ["INDEX_NAME", "LOCK_PREFIX", "PART_PREFIX", "CacheFolderError", "ShardStore"]
+__all__ = [
+    "DEFAULT_FREE_SHARE",
+    "INDEX_NAME",
+    "LOCK_PREFIX",
+    "PART_PREFIX",
+    "CacheFolderError",
+    "CacheSettingError",
+    "ShardStore",
+    "cache_folder",
+    "cache_limit_bytes",
+]
 
 PART_PREFIX = ".dlpipe-part."
 LOCK_PREFIX = ".dlpipe-lock."
@@ -253,6 +271,61 @@ class ShardStore:
             )
         self._update_index(name, None)
         os.remove(self.path(name))
+
+
+class CacheSettingError(DlpipeError, ValueError):
+    """``cache_dir`` or ``cache_limit`` is not a usable setting."""
+
+
+DEFAULT_FREE_SHARE = 0.5
+"""Without ``cache_limit``: what the cache holds already plus this share of its disk's free
+space."""
+
+
+def cache_folder(url: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """The cache folder of the dataset at `url`: a folder named by the URL's sha256 under
+    `cache_dir` (default: ``$DLPIPE_DATA_DIR/cache``, else the user cache's ``shards``)."""
+    if cache_dir is None:
+        data_dir = os.environ.get("DLPIPE_DATA_DIR")
+        root = os.path.join(data_dir, "cache") if data_dir else storage.user_cache("shards")
+    else:
+        root = os.fspath(cache_dir)
+        if storage.is_url(root):
+            raise CacheSettingError(
+                f"cache_dir={root!r} is a URL; the shard cache is a local folder: give a path "
+                "on a local disk"
+            )
+    digest = hashlib.sha256(url.rstrip("/").encode("utf-8")).hexdigest()[:16]
+    return os.path.join(os.path.abspath(storage.local_path(root)), digest)
+
+
+def cache_limit_bytes(limit: int | str | None, folder: str) -> int:
+    """`limit` in bytes (an int, or a size such as ``"50GB"``); None: what `folder` holds of
+    the cache already plus `DEFAULT_FREE_SHARE` of its disk's free space.
+
+    Raises:
+        CacheSettingError: a limit that is not a positive size.
+    """
+    if limit is None:
+        free = shutil.disk_usage(storage.existing_ancestor(folder)).free
+        return _held_bytes(folder) + int(free * DEFAULT_FREE_SHARE)
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+        return limit
+    try:
+        return parse_size(limit) if isinstance(limit, str) else parse_size(repr(limit))
+    except argparse.ArgumentTypeError as exc:
+        raise CacheSettingError(
+            f"cache_limit: {exc} (bytes, at least 1); a size such as '50GB' works too"
+        ) from None
+
+
+def _held_bytes(folder: str) -> int:
+    """Bytes of regular files directly in `folder` (0 when it is not there)."""
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return 0
+    return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file())
 
 
 def _parse_index(f: IO[str]) -> dict[str, dict[str, Any]]:

@@ -1,9 +1,11 @@
 """``dlpipe bench-loader``: measure, search, say what limits the pipeline, save the winner.
 
 The flags that say what the batches are (``--batch-size``, ``--transform``, ``--image-size``,
-``--min-crop-scale``) make one `LoaderConfig`, the one ``dlpipe train`` builds from the same
-values, so the saved profile is found by the training run it was measured for; a run with
-another batch or image size uses it too, as the nearest (`dlpipe.loading.profile`), and says so.
+``--base-size``, ``--min-crop-scale``) make one `LoaderConfig`, the one ``dlpipe train``
+builds from the same values, so the saved profile is found by the training run it was measured
+for; a run with another batch or image size uses it too, as the nearest
+(`dlpipe.loading.profile`), and says so. On a detection or segmentation dataset the recipe is
+its task's, and the stages include its targets' decode and the joint transform.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def _bench_config(options: BenchLoaderConfig) -> BenchConfig:
         batch_size=options.batch_size,
         transform=options.transform,
         image_size=options.image_size,
+        base_size=options.base_size,
         min_crop_scale=options.min_crop_scale,
     )
     return BenchConfig(
@@ -121,7 +124,7 @@ def _print(report: BenchReport, console: Console, saved: str | None) -> None:
     s = report.stages
     for name, rate in (
         ("read", s.read),
-        ("+ decode", s.decode),
+        ("+ decode and targets" if s.recipe else "+ decode", s.decode),
         ("+ transform", s.transform),
         ("+ collate", s.collate),
     ):

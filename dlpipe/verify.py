@@ -31,6 +31,7 @@ from typing import IO, Any
 
 from dlpipe import storage
 from dlpipe.codecs import decode_sample
+from dlpipe.dataset_names import JOURNAL_DIR
 from dlpipe.errors import DlpipeError
 from dlpipe.formats import ShardFormat, ShardReader, get_format, require_storage
 from dlpipe.jpeg_seek import index_problem
@@ -163,21 +164,31 @@ def _in_range(label: bytes, num_classes: int) -> bool:
 
 
 def unlisted_shards(path: str, manifest: Manifest, fmt: ShardFormat) -> list[Problem]:
-    """Files in the folder named like `fmt`'s shards that the manifest does not list."""
+    """Files in the folder named like `fmt`'s shards that the manifest does not list (those
+    an unfinished ``--append`` wrote, as its journal says, named so)."""
     listed = {s.name for info in manifest.splits.values() for s in info.shards}
+    journal = {
+        os.path.splitext(name)[0] for name in storage.listdir(storage.join(path, JOURNAL_DIR))
+    }
     return [
-        Problem(
-            "",
-            name,
-            f"is named like a {fmt.name} shard but the manifest does not list it (left "
-            "alone: move it out of the dataset folder, or re-run the conversion)",
-        )
+        Problem("", name, _APPENDING if name in journal else _UNLISTED.format(fmt.name))
         for name in storage.listdir(path)
         if name.endswith(fmt.suffix)
         and name not in listed
         and name not in SIDECARS
         and not name.startswith(".")
     ]
+
+
+_UNLISTED = (
+    "is named like a {} shard but the manifest does not list it (left alone: move it out of "
+    "the dataset folder, or re-run the conversion)"
+)
+_APPENDING = (
+    "is a shard of an unfinished dlpipe convert --append (its journal names it; the manifest, "
+    "still the version before, does not list it): finish the append with the same command and "
+    "--resume, or a new --append removes it"
+)
 
 
 def _shard_list(manifest: Manifest) -> list[tuple[str, ShardInfo]]:

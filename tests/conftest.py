@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,6 +22,18 @@ from dlpipe.synthetic import SHAPE_CLASSES, synthetic_samples
 
 FORMAT_NAMES = sorted(dlpipe.FORMATS)
 BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_user_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The suite's user cache (saved profiles, archive views, shard caches) is its own folder,
+    for every test and the processes they start: never the user's, never a data folder the
+    environment names."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("user-cache")))
+    patch.delenv("DLPIPE_DATA_DIR", raising=False)
+    yield
+    patch.undo()
 
 
 def mixed_samples(count: int, seed: int = 0) -> list[dict]:
@@ -155,16 +168,39 @@ def one_error(capsys: pytest.CaptureFixture[str]) -> str:
     return one_error_line(captured.err)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+def run_gloo_ranks(code: str, arg: str, world_size: int, out: str) -> list[Any]:
+    """Run ``python -c code arg`` as `world_size` processes joined by torch.distributed on
+    127.0.0.1 (gloo: RANK, WORLD_SIZE, MASTER_ADDR/PORT set), wait for them (each must exit 0,
+    else the test fails with their stderr), and load what each saved to ``{out}.{rank}``."""
+    import torch
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["WORLD_SIZE"] = str(world_size)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, arg],
+            env={**env, "RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    errors = [rank.communicate(timeout=240)[1] for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), errors
+    return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world_size)]
+
+
 @pytest.fixture(scope="module")
 def s3_env() -> Iterator[dict[str, str]]:
     """A moto S3 server on 127.0.0.1 and the environment that points clients at it."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

@@ -94,7 +94,7 @@ def test_console_script_and_python_m_run_as_processes(make_dataset) -> None:
 @pytest.mark.slow
 def test_the_default_demo_trains_to_at_least_90_percent(tmp_path, capsys) -> None:
     """The README's first command, in-process: the embedded dataset is learnt, not guessed."""
-    out, default = tmp_path / "demo", DemoConfig(out="")
+    out, default = tmp_path / "demo", DemoConfig(out="").resolved()
     assert main(["demo", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     epochs = [

@@ -35,7 +35,7 @@ def test_config_toml_round_trips_strings_with_newlines_quotes_backslashes_unicod
     path.write_text(config_toml(config), encoding="utf-8")
     tomllib.loads(path.read_text(encoding="utf-8"))  # valid TOML
     again = load_config(str(path), {})
-    assert again.data.path == awkward and again.data.train_split == awkward
+    assert again.data.path == (awkward,) and again.data.train_split == awkward
     assert again.run.out == awkward
     assert again.to_dict() == config.to_dict()
 

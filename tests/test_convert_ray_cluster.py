@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from PIL import Image
 
 pytest.importorskip("ray")
@@ -40,13 +40,6 @@ _RAY_ENV = {
 }
 _SHARDS = 6
 _NODE_LINE = re.compile(r"shard (\S+) written on Ray node ([0-9a-f]+)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _ray() -> str:
@@ -99,7 +92,7 @@ def cluster() -> Iterator[tuple[str, dict[str, str]]]:
     """(address, environment) of a head node and a second node, one CPU each."""
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit
     env = {**os.environ, **_RAY_ENV}
-    port = _free_port()
+    port = free_port()
     groups: list[int] = []
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--temp-dir", temp]
     try:

@@ -252,7 +252,10 @@ def test_design_benchmark_and_error_figures_stay_in_the_manual() -> None:
     expected = {
         "docs/benchmarks.md": ["| `dlpipe train` | 191.0 | 164.0 |", "| limit: draft decode alone"],
         "docs/security.md": ["ProfileSaveError", "| `bus error` / `DataLoader worker"],
-        "docs/commands.md": ["`dlpipe doctor [--data-dir DIR] [--json]`", "0 when it finishes"],
+        "docs/commands.md": [
+            "`dlpipe doctor [--data-dir DIR] [--data URL] [--json]`",
+            "0 when it finishes",
+        ],
         "docs/formats.md": ["| 600 \u00d7 99 KB JPEGs | vlen |", "**No pickle anywhere.**"],
         "docs/loading.md": ["| another seed, shuffle, dataset or split |", "`--plot out.png`"],
         "docs/converting.md": ["| `--engine local\\|ray`, `--ray-address` |", "ray start --head"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,63 @@ def test_the_real_probe_finds_what_the_loader_decodes_with(monkeypatch) -> None:
     assert (found is None) == (turbojpeg.region_library() is None)
     monkeypatch.setenv(turbojpeg.REGION_ENV, "0")
     assert Probe().jpeg_region_library() is None
+
+
+# --- doctor --data: a dataset's storage ----------------------------------------------------------
+
+
+@pytest.fixture
+def on_s3(s3_env, tmp_path, monkeypatch) -> str:
+    """A small lmdb dataset on the S3 server (this process's clients pointed at it)."""
+    import s3fs
+    from conftest import write_dataset
+
+    from dlpipe.synthetic import synthetic_samples
+
+    for key, value in s3_env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("DLPIPE_DATA_DIR", raising=False)
+    s3fs.S3FileSystem.clear_instance_cache()
+    folder = Path(write_dataset(tmp_path / "lmdb", "lmdb", {"train": list(synthetic_samples(16))}))
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    if not fs.exists("doctor"):
+        fs.mkdir("doctor")
+    for path in folder.iterdir():
+        if path.is_file() and not path.name.startswith("."):
+            fs.put_file(str(path), f"doctor/data/{path.name}")
+    return "s3://doctor/data"
+
+
+def test_doctor_data_reports_reach_manifest_bandwidth_and_cache(on_s3, tmp_path, capsys) -> None:
+    main(["doctor", "--data", on_s3, "--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["data reachable"]["status"] == "ok"
+    assert checks["data manifest"]["detail"] == "lmdb: train 16 samples in 2 shards"
+    assert checks["data read"]["status"] == "ok" and " MB/s (" in checks["data read"]["detail"]
+    cache = checks["shard cache"]
+    assert (
+        cache["status"] == "ok" and str(tmp_path / "xdg" / "dlpipe" / "shards") in cache["detail"]
+    )
+
+
+def test_doctor_data_without_a_manifest_is_a_problem(on_s3, capsys) -> None:
+    assert main(["doctor", "--data", on_s3.rsplit("/", 1)[0]]) == 1
+    out = capsys.readouterr().out
+    assert "no dlpipe.json" in out and "finished dlpipe convert" in out
+
+
+def test_doctor_data_unreachable_is_one_error_line(monkeypatch, capsys) -> None:
+    from conftest import one_error
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert main(["doctor", "--data", "s3://nowhere/data"]) == 2
+    line = one_error(capsys)
+    assert "s3://nowhere/data cannot be listed" in line and "AWS_ENDPOINT_URL" in line
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -5,16 +5,12 @@ what it cannot resume exactly, naming the field."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import FORMAT_NAMES
+from conftest import FORMAT_NAMES, free_port, run_gloo_ranks
 
 import dlpipe
 from dlpipe.loading.loader import StaleIteratorError
@@ -43,31 +39,11 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(tmp_path: Path, world_size: int, **spec: Any) -> list[dict[str, Any]]:
     """Run one loader per rank in `world_size` processes joined by torch.distributed (gloo on
     127.0.0.1); each returns ``{"len": len(loader), "batches": [epoch, ...]}``."""
-    out = str(tmp_path / f"ranks-{_free_port()}")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env["WORLD_SIZE"] = str(world_size)
-    arg = json.dumps({**spec, "out": out})
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _CHILD, arg],
-            env={**env, "RANK": str(rank)},
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    errors = [p.communicate(timeout=240)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errors
-    return [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world_size)]
+    out = str(tmp_path / f"ranks-{free_port()}")
+    return run_gloo_ranks(_CHILD, json.dumps({**spec, "out": out}), world_size, out)
 
 
 def _loader(

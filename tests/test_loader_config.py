@@ -46,6 +46,21 @@ def test_resolved_settles_the_split_defaults_once() -> None:
     assert (explicit.transform, explicit.shuffle, explicit.drop_last) == ("eval", True, True)
 
 
+def test_an_image_size_left_out_is_the_task_s_and_the_recipe_is_the_task_s() -> None:
+    config = dlpipe.LoaderConfig()
+    tasks = (None, "classification", "captioning", "detection", "segmentation")
+    sizes = [config.resolved("train", task).image_size for task in tasks]
+    assert sizes == [224, 224, 224, None, 480]
+    assert dlpipe.LoaderConfig(image_size=64).resolved("val", "detection").image_size == 64
+    ssd = dlpipe.LoaderConfig(transform="ssd")
+    assert ssd.resolved("train", "detection").transform == "ssd"
+    with pytest.raises(LoaderConfigError, match=r"'ssd' is not a recipe of this classification"):
+        ssd.resolved("train", "classification")
+    old = profiles.loader_key("train", dlpipe.LoaderConfig(image_size=224))
+    assert profiles.loader_key("train", config) == old  # profiles saved before stay found
+    assert profiles.loader_key("train", config, "detection")["image_size"] is None
+
+
 @pytest.mark.parametrize(
     "fields, named",
     [

@@ -348,3 +348,79 @@ def test_dlpipe_bench_loader_reads_a_config_file_and_writes_the_resolved_one(
     config.write_text("batch_sise = 4\n")
     assert main(["bench-loader", data, "--config", str(config)]) == 2
     assert "unknown key 'batch_sise'" in capsys.readouterr().err
+
+
+# --- list options: a field typed tuple[K, ...] ---------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Listed(Checked):
+    paths: tuple[str, ...] = option("the datasets", default=(), flag="data")
+    weights: tuple[float, ...] | None = option(
+        "one per dataset", default=None, parse=dlpipe.options.non_negative_float
+    )
+    sizes: tuple[int, ...] = option("sizes", default=(1, 2), parse=int_in_range(1, 9))
+
+
+def _listed(argv: list[str]) -> Listed:
+    parser = argparse.ArgumentParser()
+    add_options(parser, Listed)
+    add_config_flag(parser)
+    return config_from_args(parser.parse_args(argv), Listed)
+
+
+def test_a_list_option_is_words_or_commas_an_array_and_a_tuple_or_list(tmp_path: Path) -> None:
+    words = _listed(["A", "B", "--weights", "0.7", "0.3", "--sizes", "3"])
+    assert words == _listed(["A", "B", "--weights", "0.7,0.3", "--sizes", "3"])
+    assert words == Listed(paths=["A", "B"], weights=[0.7, 0.3], sizes=[3])  # type: ignore[arg-type]
+    assert (words.paths, words.weights, words.sizes) == (("A", "B"), (0.7, 0.3), (3,))
+    path = tmp_path / "c.toml"
+    path.write_text('paths = ["A", "B"]\nweights = [0.7, 0.3]\nsizes = [3]\n')
+    assert build_config(Listed, read_config_file(str(path), Listed)) == words
+    path.write_text(config_toml(words))
+    assert 'paths = [\n    "A",\n    "B",\n]' in path.read_text()  # written back as arrays
+    assert build_config(Listed, read_config_file(str(path), Listed)) == words
+
+
+def test_one_value_alone_is_a_list_of_one_and_a_list_left_out_keeps_the_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('paths = "A"\nsizes = 4\n')  # as a file written before the option was a list
+    from_file = _listed(["--config", str(path)])  # no DATA words: the file's stand
+    assert (from_file.paths, from_file.sizes) == (("A",), (4,))
+    assert Listed(paths="A").paths == ("A",)  # type: ignore[arg-type]
+    assert _listed(["B", "--config", str(path)]).paths == ("B",)  # the words given win
+    assert _listed([]) == Listed()
+
+
+@pytest.mark.parametrize(
+    ("flags", "toml", "keywords", "rule"),
+    [
+        (["--sizes", "3,10"], "sizes = [3, 10]", [3, 10], "10 is not an integer in 1..9"),
+        (["--weights", "1", "-2"], "weights = [1, -2]", [1, -2], "-2 is not a finite number"),
+    ],
+)
+def test_each_item_of_a_list_option_keeps_the_rule_with_one_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, toml, keywords, rule
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_options(parser, Listed)
+    with pytest.raises(SystemExit):
+        parser.parse_args(flags)
+    assert f"argument {flags[0]}: {rule}" in capsys.readouterr().err
+    (tmp_path / "c.toml").write_text(toml + "\n")
+    with pytest.raises(OptionError, match=re.escape(rule)):
+        read_config_file(str(tmp_path / "c.toml"), Listed)
+    name = flags[0][2:]
+    with pytest.raises(OptionError, match=rf"argument {flags[0]}: item 2 of .*{re.escape(rule)}"):
+        build_config(Listed, {name: keywords})
+    with pytest.raises(OptionError, match="'x' is a str; give an int or a list of ints"):
+        build_config(Listed, {"sizes": ["x"]})
+
+
+def test_a_list_of_another_kind_is_not_an_option() -> None:
+    for hint in ("tuple[bool, ...]", "tuple[str, int]", "list[str]"):
+        cls = type("Bad", (), {"__annotations__": {"items": hint}, "items": option("x")})
+        with pytest.raises(TypeError, match="nor a tuple"):
+            option_specs(dataclass(cls))

@@ -327,7 +327,7 @@ def test_a_contradicting_nearest_profile_is_passed_over_for_the_next(
         ("batch_size", 2**21),
         ("batch_size", 10**400),
         ("image_size", 16385),
-        ("image_size", None),
+        ("image_size", "224"),  # null: a detection loader keeping its images' sizes
         ("image_size", 0),
         ("min_crop_scale", 0),
         ("min_crop_scale", 1.5),

@@ -4,23 +4,20 @@ through a small fault-injecting proxy that counts each object's GETs."""
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import pytest
+import s3_faults
+from s3_faults import FaultProxy, proxy_options
 
 from dlpipe.manifest import ShardInfo
 from dlpipe.shard_cache import (
@@ -33,115 +30,8 @@ from dlpipe.shard_cache import (
 )
 from dlpipe.shard_store import PART_PREFIX
 
-STALL_S = 3.0  # a stalled answer takes longer than the client's read timeout (1 s)
+proxy = s3_faults.proxy  # the fixture (module-scoped), shared with the loader's tests
 FAST_RETRY = RetryPolicy(attempts=3, first_backoff_s=0.0)
-
-
-class FaultProxy:
-    """A loopback HTTP proxy in front of the S3 server: counts GETs per object key and plays
-    the faults scripted for a key, one per GET: ``ok``, ``500``, ``stall`` (no answer until
-    the client gave up), ``cut`` (half the body, then the connection closed), ``hang`` (half
-    the body, then nothing until `release` is set), ``slow`` (a pause, then the answer)."""
-
-    def __init__(self, upstream: str) -> None:
-        parts = urlsplit(upstream)
-        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
-        self.gets: Counter[str] = Counter()
-        self.faults: dict[str, list[str]] = {}
-        self.release = threading.Event()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def next_fault(self, method: str, key: str) -> str:
-        if method != "GET":
-            return "ok"
-        self.gets[key] += 1
-        script = self.faults.get(key, [])
-        return script.pop(0) if script else "ok"
-
-    def forward(self, method: str, path: str, headers: Any, body: bytes) -> tuple[int, Any, bytes]:
-        conn = http.client.HTTPConnection(*self.upstream, timeout=30)
-        sent = {k: v for k, v in headers.items() if k.lower() not in ("host", "connection")}
-        conn.request(method, path, body=body or None, headers=sent)
-        answer = conn.getresponse()
-        data = answer.read()
-        conn.close()
-        return answer.status, answer.getheaders(), data
-
-
-def _handler(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True  # headers and body go out at once, not 40 ms apart
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def _any(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            key = unquote(urlsplit(self.path).path.lstrip("/"))
-            fault = proxy.next_fault(self.command, key)
-            if fault == "500":
-                return self._answer(500, [], b"<Error><Code>InternalError</Code></Error>")
-            if fault == "stall":
-                time.sleep(STALL_S)
-                self.close_connection = True
-                return None
-            if fault == "slow":
-                time.sleep(0.5)
-            status, headers, data = proxy.forward(self.command, self.path, self.headers, body)
-            if fault in ("cut", "hang"):
-                self._answer(status, headers, data, send=len(data) // 2)
-                if fault == "hang":
-                    proxy.release.wait()
-                self.close_connection = True
-                return None
-            return self._answer(status, headers, data)
-
-        def _answer(self, status: int, headers: Any, data: bytes, send: int | None = None) -> None:
-            self.send_response(status)
-            head = self.command == "HEAD"  # keeps the object's Content-Length
-            dropped = ("transfer-encoding", "connection") + (() if head else ("content-length",))
-            for name, value in headers:
-                if name.lower() not in dropped:
-                    self.send_header(name, value)
-            if not head:
-                self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data[:send])
-                self.wfile.flush()
-
-        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
-
-    return Handler
-
-
-@pytest.fixture(scope="module")
-def proxy(s3_env: dict[str, str]) -> Iterator[FaultProxy]:
-    running = FaultProxy(s3_env["AWS_ENDPOINT_URL"])
-    yield running
-    running.release.set()
-    running.server.shutdown()
-
-
-def _options(proxy: FaultProxy) -> dict[str, Any]:
-    """fsspec options that reach the S3 server through the proxy, with short timeouts."""
-    return {
-        "endpoint_url": proxy.url,
-        "key": "testing",
-        "secret": "testing",
-        "config_kwargs": {
-            "read_timeout": 1,
-            "connect_timeout": 1,
-            "retries": {"max_attempts": 1},
-        },
-    }
 
 
 @pytest.fixture
@@ -182,7 +72,7 @@ def _cache(
 ) -> ShardCache:
     kw.setdefault("retry", FAST_RETRY)
     return ShardCache(
-        remote_root, str(folder), limit, shards, storage_options=_options(proxy), **kw
+        remote_root, str(folder), limit, shards, storage_options=proxy_options(proxy), **kw
     )
 
 
@@ -426,7 +316,7 @@ def _child(
         "cache": str(folder),
         "shards": [s.__dict__ for s in shards],
         "name": name,
-        "options": _options(proxy),
+        "options": proxy_options(proxy),
         "go": str(folder) + ".go",
         "chunk": chunk,
     }

@@ -613,13 +613,17 @@ def test_large_instances_file_is_read_with_bounded_memory(tmp_path: Path) -> Non
     assert control["annotations"] == 100_000 and control["kib"] > bound, (control, size_kib)
 
 
-def test_dlpipe_train_refuses_a_detection_dataset_naming_its_task(tmp_path: Path, capsys) -> None:
+def test_dlpipe_train_as_a_classifier_refuses_a_detection_dataset_naming_its_task(
+    tmp_path: Path, capsys
+) -> None:
     assert convert(make_coco(tmp_path / "raw"), tmp_path / "out") == 0
     capsys.readouterr()
-    assert main(["train", str(tmp_path / "out"), "--out", str(tmp_path / "run")]) == 2
+    args = ["train", str(tmp_path / "out"), "--task", "classification"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     (line,) = err.strip().splitlines()
     assert line.startswith("error: ") and "is a detection dataset" in line
+    assert "--task detection" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -73,6 +73,32 @@ def _threaded_loader(path: str) -> Any:
     )
 
 
+def _mixed_loader(path: str) -> Any:
+    """A mixture of the dataset with itself (its two sources: the state names both)."""
+    config = dlpipe.LoaderConfig(batch_size=4, image_size=8, seed=5, weights=(0.75, 0.25))
+    return dlpipe.make_loader([path, path], "train", config, workers=0)
+
+
+def _mixed_outputs(loader: Any, start: int) -> Iterator[Any]:
+    while True:
+        for images, labels, sources in loader:
+            yield images.sum().item(), labels.tolist(), sources.tolist()
+
+
+def _mixture_batches(path: str) -> Any:
+    """The trainer's view of a mixture's loader: its sources stripped and counted."""
+    from dlpipe.train.sources import MixtureBatches
+
+    return MixtureBatches(_mixed_loader(path), rank=0)
+
+
+def _mixture_batches_outputs(batches: Any, start: int) -> Iterator[Any]:
+    while True:
+        for images, labels in batches:
+            yield images.sum().item(), labels.tolist()
+        yield batches.finished  # the epoch's samples per source, those before a resume too
+
+
 def _loader_outputs(loader: Any, start: int) -> Iterator[Any]:
     while True:
         for images, labels in loader:
@@ -134,6 +160,16 @@ CASES = [
     # the thread engine: the same state, batches resolved from a pool ahead of the caller
     Case("threads-lmdb", ("PreparedLoader",), _threaded_loader, _loader_outputs, data="lmdb"),
     Case("threads-wds", ("PreparedLoader",), _threaded_loader, _loader_outputs, data="wds"),
+    # a mixture: the sampler's state plus each source's draws, the weights and the sources
+    Case("loader-mixture", ("MixSampler",), _mixed_loader, _mixed_outputs, data="lmdb"),
+    # the trainer's mixture loader: the loader's state plus each source's draws at epoch start
+    Case(
+        "train-mixture",
+        ("MixtureBatches",),
+        _mixture_batches,
+        _mixture_batches_outputs,
+        data="lmdb",
+    ),
     Case("step-runner", ("StepRunner",), _runner, _runner_outputs),
     Case("early-stopping", ("EarlyStopping",), _early_stop, _early_stop_outputs),
     Case("run-counters", ("RunCounters",), lambda _: RunCounters(), _counters_outputs),
@@ -279,7 +315,11 @@ def test_every_class_with_a_state_dict_is_under_the_contract() -> None:
 
 
 # the sample orders a loader drives (`PassOrder`), each with the loader cases that drive it
-PASS_ORDERS = {"EpochSampler": ("loader-lmdb", "loader-hdf5"), "StreamOrder": ("loader-wds",)}
+PASS_ORDERS = {
+    "EpochSampler": ("loader-lmdb", "loader-hdf5"),
+    "StreamOrder": ("loader-wds",),
+    "MixSampler": ("loader-mixture",),
+}
 _PASS_METHODS = (
     "dataloader_options",
     "batch_count",
@@ -309,10 +349,13 @@ def test_every_sample_order_is_driven_through_the_pass_contract_by_a_loader_case
 ) -> None:
     assert _pass_orders() == set(PASS_ORDERS), "add the new order and its loader Case"
     cases = {case.name: case for case in CASES}
+    made: dict[str | None, str] = {}  # each format's dataset, made once
     for name, case_names in PASS_ORDERS.items():
         for case_name in case_names:
             case = cases[case_name]
-            order = case.build(make_dataset(case.data)).order
+            if case.data not in made:
+                made[case.data] = make_dataset(case.data)
+            order = case.build(made[case.data]).order
             assert isinstance(order, PassOrder) and type(order).__name__ == name, case_name
             progress = order.start_pass(1)  # nothing given yet: the state between passes
             assert progress.state() == order.state_dict()

@@ -172,6 +172,20 @@ def test_named_values_and_a_16_bit_map_follow_the_schema() -> None:
     assert spec.ignore is None
 
 
+@pytest.mark.parametrize("step", [2, 1])  # 10 runs of values (each counted), or one
+def test_a_value_between_the_schema_s_values_is_refused(step: int) -> None:
+    schema = mask_schema({value: f"c{value}" for value in range(0, 20, step)})
+    spec = TargetSpec.from_manifest(manifest("segmentation", {"seg.png": schema}))
+    values = np.zeros((HEIGHT, WIDTH), np.uint8)
+    values[0, :4] = [2, 4, 18, 19 if step == 1 else 3]
+    sample = {"__key__": "s", "seg.png": png(values)}
+    if step == 1:
+        assert set(spec.target(sample, (HEIGHT, WIDTH), 0).unique().tolist()) == {0, 2, 4, 18, 19}
+        return
+    with pytest.raises(TargetError, match="holds value 3, which is not one of the schema's 10"):
+        spec.target(sample, (HEIGHT, WIDTH), 0)
+
+
 BAD_SEGMENTATION = {
     "another size": (png(np.zeros((HEIGHT, WIDTH - 1), np.uint8)), "the label map is 39x30"),
     "a value outside the classes": (

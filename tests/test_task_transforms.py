@@ -204,12 +204,12 @@ def test_detection_images_of_several_sizes_collate_as_a_list() -> None:
     assert len({tuple(image.shape) for image in images}) > 1
 
 
-def test_segmentation_collates_to_uint8_images_and_int64_masks() -> None:
+def test_segmentation_collates_to_uint8_images_and_uint8_masks() -> None:
     transform = TaskTransform(SEGMENTATION, "train", 48, "png", seed=0)
     images, masks = task_collate("segmentation")([transform(segmentation_sample(), 0, i)
                                                   for i in range(4)])  # fmt: skip
     assert images.shape == (4, 3, 48, 48) and images.dtype == torch.uint8
-    assert masks.shape == (4, 48, 48) and masks.dtype == torch.int64
+    assert masks.shape == (4, 48, 48) and masks.dtype == torch.uint8  # .long() on the device
     assert set(masks.unique().tolist()) <= {0, 1, 2, 255}
     # the class of a labelled pixel is where its pixel moved (channel 0 = 100 x class), away
     # from the edges the image's resize blurs
@@ -217,10 +217,19 @@ def test_segmentation_collates_to_uint8_images_and_int64_masks() -> None:
     uniform = (max_pool2d(values, 7, 1, 3) == -max_pool2d(-values, 7, 1, 3))[:, 0]
     inside = uniform & (masks != 255)
     assert inside.sum() > 1000
-    assert (images[:, 0][inside].long() - masks[inside] * 100).abs().max() <= 2
+    assert (images[:, 0][inside].long() - masks[inside].long() * 100).abs().max() <= 2
     with pytest.raises(BatchShapeError, match="one batch needs one size"):
         collate_segmentation([(torch.zeros(3, 4, 4), torch.zeros(4, 4)),
                               (torch.zeros(3, 5, 4), torch.zeros(5, 4))])  # fmt: skip
+
+
+def test_a_segmentation_batch_with_a_mask_past_255_is_int64() -> None:
+    image = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    small, large = torch.full((4, 4), 3, dtype=torch.uint8), torch.full((4, 4), 300)
+    _, masks = collate_segmentation([(image, small), (image, large)])
+    assert masks.dtype == torch.int64 and masks[:, 0, 0].tolist() == [3, 300]
+    _, masks = collate_segmentation([(image, small), (image, small)])
+    assert masks.dtype == torch.uint8 and masks[:, 0, 0].tolist() == [3, 3]
 
 
 def test_the_crop_pads_a_small_image_with_0_and_its_mask_with_the_ignore_value() -> None:
@@ -258,6 +267,16 @@ def test_a_sample_is_transformed_the_same_in_any_process_or_thread() -> None:
     assert here == threaded == spawned
     assert outputs(transform, range(6)) == here
     assert outputs(transform, range(6), epoch=3) != here  # another epoch, other draws
+
+
+def test_an_op_that_fails_leaves_the_caller_s_random_stream_untouched() -> None:
+    transform = TaskTransform(DETECTION, "hflip", None, "png", seed=11)
+    image = tv_tensors.Image(torch.zeros(3, 8, 8, dtype=torch.uint8))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with pytest.raises(TypeError):  # no target dict: SanitizeBoundingBoxes finds no labels
+        transform.apply(image, None, transform.rng_seed(0, 0))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_an_image_that_does_not_decode_and_a_bad_recipe_are_named() -> None:

@@ -54,6 +54,38 @@ def test_cli_flags_override_the_toml_file_which_overrides_defaults(tmp_path) -> 
     assert load_config(str(again), {}) == resolved  # the written config repeats the run
 
 
+@pytest.mark.parametrize(
+    ("task", "dataset_task", "resolved_task", "model"),
+    [
+        ("auto", None, "classification", "resnet18"),
+        ("auto", "detection", "detection", "fasterrcnn_mobilenet_v3_large_fpn"),
+        ("auto", "segmentation", "segmentation", "deeplabv3_mobilenet_v3_large"),
+        ("auto", "captioning", "classification", "resnet18"),
+        ("detection", None, "detection", "fasterrcnn_mobilenet_v3_large_fpn"),
+    ],
+)
+def test_the_task_and_model_default_to_the_datasets(
+    task, dataset_task, resolved_task, model, tmp_path
+) -> None:
+    """``--task auto`` is the manifest's task (classification without one), ``--model auto``
+    that task's model; the run folder is named after it and config.toml repeats both."""
+    config = load_config(None, {"data": {"path": "d"}, "model": {"task": task}})
+    resolved = config.resolved(dataset_task)
+    assert (resolved.model.task, resolved.model.name) == (resolved_task, model)
+    assert resolved.run.out.endswith(f"d-{model}")
+    path = tmp_path / "config.toml"
+    path.write_text(config_toml(resolved))
+    assert load_config(str(path), {}).resolved("segmentation") == resolved
+
+
+def test_a_task_is_one_of_the_trainers(capsys) -> None:
+    with pytest.raises(ConfigError, match="classification, detection, segmentation"):
+        load_config(None, {"data": {"path": "d"}, "model": {"task": "captioning"}})
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "d", "--task", "captioning"])
+    assert stopped.value.code == 2 and "--task" in capsys.readouterr().err
+
+
 def test_default_lr_scales_with_the_global_batch() -> None:
     sgd = load_config(None, {"data": {"path": "d"}, "run": {"batch_size": 512}}).resolved()
     adamw = load_config(
@@ -159,20 +191,24 @@ def test_a_run_folder_config_of_the_flat_data_keys_still_resumes(
 
 
 def _other(spec: OptionSpec) -> Any:
-    """A valid value of `spec` other than its default."""
+    """A valid value of `spec` other than its default (a list option's: a list of one)."""
+    if spec.many:
+        return (_other(dataclasses.replace(spec, many=False, default=None)),)
     if spec.choices:
         return next(c for c in spec.choices if c != spec.default)
     if spec.kind == "bool":
         return spec.default is not True
     if spec.kind == "int":
         return 1 if spec.default is None else spec.default + 1
+    if spec.kind == "str":
+        return "other"
     return 0.5 if spec.default is None else spec.default / 2
 
 
 def _argv(spec: OptionSpec, value: Any) -> list[str]:
     if spec.kind == "bool":
         return [spec.flag if value else "--no-" + spec.flag[2:]]
-    return [spec.flag, str(value)]
+    return [spec.flag, *map(str, value)] if spec.many else [spec.flag, str(value)]
 
 
 def test_every_loader_and_worker_option_reaches_the_trainer_by_flag_and_toml(tmp_path) -> None:
@@ -217,9 +253,8 @@ def test_a_new_loader_option_needs_only_its_field_and_its_consumer(tmp_path) -> 
     assert train_loader_config(config, 8, "train").sharpness == 0.3
     path = tmp_path / "config.toml"
     path.write_text(config_toml(config))
-    assert "[data.loader]\nimage_size = 224\nmin_crop_scale = 0.08\nsharpness = 0.3\n" in (
-        path.read_text()
-    )
+    table = '[data.loader]\nmin_crop_scale = 0.08\non_source_end = "cycle"\nsharpness = 0.3\n'
+    assert table in path.read_text()
     assert read_config_file(str(path), config_class)["sharpness"] == 0.3
 
 

@@ -26,7 +26,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     from dlpipe.options import add_config_flag, add_options
     from dlpipe.train.config import TrainConfig
 
-    p = sub.add_parser("train", help="train an image classifier on a prepared dataset")
+    p = sub.add_parser(
+        "train", help="train an image classifier, detector or segmenter on a prepared dataset"
+    )
     add_options(p, TrainConfig)
     add_config_flag(p)
     p.add_argument("--nproc-per-node", type=int, help="launch N processes with torchrun")
@@ -144,8 +146,7 @@ def _preflight_and_launch(
         from dlpipe.train.config import ConfigError
 
         raise ConfigError(f"--nproc-per-node {args.nproc_per_node} must be a positive integer")
-    resolved = config.resolved()
-    preflight(resolved, args.nproc_per_node, _warn)
+    resolved = preflight(config, args.nproc_per_node, _warn)
     _tune_for_ranks(resolved, args.nproc_per_node, console)
     return _launch(args.nproc_per_node, args.argv, guard)
 
@@ -164,18 +165,19 @@ def _tune_for_ranks(config: Any, nproc: int, console: Console) -> None:
     from dlpipe.loading.tune import training_profile
     from dlpipe.machine import usable_cpus
     from dlpipe.train.config import plan_batches
+    from dlpipe.train.sources import profile_target
     from dlpipe.train.trainer import train_loader_config
 
     d, r = config.data, config.run
     if d.tune == "off" or d.workers.num_workers is not None:
         return
     plan = plan_batches(r.batch_size, nproc, r.micro_batch)
-    loader = train_loader_config(config, plan.micro_batch, "train")
+    path, loader = profile_target(d.path, train_loader_config(config, plan.micro_batch, "train"))
     decode = d.workers.chosen().get("decode")
-    if nearest_profile(d.path, split=d.train_split, config=loader, decode=decode) is not None:
+    if nearest_profile(path, split=d.train_split, config=loader, decode=decode) is not None:
         return  # each rank finds it and says which
     _, why = training_profile(
-        d.path,
+        path,
         d.train_split,
         loader,
         decode=decode,
@@ -189,19 +191,32 @@ def _print_summary(summary: Any, console: Console) -> None:
     from rich.markup import escape
 
     last = summary.last_val
-    if "top1" in last:
+    scores = [f"{label} {last[key]:{form}}" for key, label, form in _SUMMARY_SCORES if key in last]
+    if scores:
         console.print(
-            f"done: val top-1 {100 * last['top1']:.2f}% after {summary.epochs_done} epochs "
-            f"({summary.steps} steps)"
+            f"done: {', '.join(scores)} after {summary.epochs_done} epochs ({summary.steps} steps)"
         )
     run = summary.run_dir
+    picture = (
+        ("confusion matrix", "confusion.png")
+        if "top1" in last
+        else ("predictions", "predictions.png")
+    )
     console.print(
         escape(
             f"metrics {os.path.join(run, 'metrics.jsonl')}, TensorBoard "
-            f"{os.path.join(run, 'tensorboard')}, confusion matrix "
-            f"{os.path.join(run, 'confusion.png')}, checkpoints {os.path.join(run, 'checkpoints')}"
+            f"{os.path.join(run, 'tensorboard')}, {picture[0]} "
+            f"{os.path.join(run, picture[1])}, checkpoints {os.path.join(run, 'checkpoints')}"
         )
     )
+
+
+_SUMMARY_SCORES = (
+    ("top1", "val top-1", ".2%"),
+    ("map", "val mAP", ".3f"),
+    ("map_50", "mAP@.5", ".3f"),
+    ("miou", "val mIoU", ".2%"),
+)
 
 
 def _launch(nproc: int, argv: list[str], guard: Any) -> int:

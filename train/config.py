@@ -43,6 +43,8 @@ from dlpipe.machine import worker_limit
 from dlpipe.options import Checked, OptionError, int_in_range, option
 
 __all__ = [
+    "DEFAULT_MODELS",
+    "TASKS",
     "BatchPlan",
     "ConfigError",
     "DataConfig",
@@ -56,6 +58,13 @@ __all__ = [
 ]
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+TASKS = ("classification", "detection", "segmentation")
+DEFAULT_MODELS = {
+    "classification": "resnet18",
+    "detection": "fasterrcnn_mobilenet_v3_large_fpn",
+    "segmentation": "deeplabv3_mobilenet_v3_large",
+}
+"""Each task's model when ``--model`` is left at ``auto``."""
 OPTIMIZERS = ("sgd", "adamw")
 TUNE_CHOICES = ("auto", "off")  # data.tune, --tune
 MAX_IMAGE_SIZE = 4096  # a crop side past this is a typo, and would allocate gigabytes a batch
@@ -128,8 +137,11 @@ class WorkerChoices(Checked):
 
 @dataclass(kw_only=True)
 class DataConfig(Checked):
-    path: str = option(
-        "dataset folder or URL (or [data] path in --config)", default="", flag="data"
+    path: tuple[str, ...] = option(
+        "dataset folder or URL, or several: one seeded mixture of them (--weights) (or [data] "
+        "path in --config)",
+        default=(),
+        flag="data",
     )
     train_split: str = option("the split to train on", default="train")
     val_split: str = option(
@@ -147,9 +159,16 @@ class DataConfig(Checked):
 
 @dataclass(kw_only=True)
 class ModelConfig(Checked):
+    task: str = option(
+        "what to train (auto: the dataset's task, from its manifest; classification without one)",
+        default="auto",
+        choices=("auto", *TASKS),
+    )
     name: str = option(
-        "a torchvision model name, or package.module:function (a factory taking num_classes=)",
-        default="resnet18",
+        "a torchvision model of the task by name, or package.module:function (a factory taking "
+        "num_classes=); auto: resnet18, fasterrcnn_mobilenet_v3_large_fpn or "
+        "deeplabv3_mobilenet_v3_large by task",
+        default="auto",
         name="model",
     )
     channels_last: bool = option("train in the channels-last memory format", default=False)
@@ -189,7 +208,8 @@ class RunConfig(Checked):
     seed: int = option("seeds the model, the order and the augmentation", default=0)
     max_steps: int | None = option("stop (with a checkpoint) after N steps", default=None)
     early_stop_patience: int | None = option(
-        "stop after N epochs without a val-loss gain", default=None
+        "stop after N epochs without a gain in val loss (detection: mAP; segmentation: mIoU)",
+        default=None,
     )
     keep_last: int = option("step checkpoints kept, plus best.pt", default=2)
     checkpoint_every_steps: int = option(
@@ -232,12 +252,19 @@ class TrainConfig:
             node[spec.attr] = value
         return out
 
-    def resolved(self) -> TrainConfig:
-        """A copy with every derived default filled in (run folder, lr, weight decay)."""
+    def resolved(self, dataset_task: str | None = None) -> TrainConfig:
+        """A copy with every derived default filled in (task, model, run folder, lr, weight
+        decay); `dataset_task` is the manifest's task, which ``task = "auto"`` takes (None:
+        classification)."""
         data, model = dataclasses.replace(self.data), dataclasses.replace(self.model)
         optim, run = dataclasses.replace(self.optim), dataclasses.replace(self.run)
+        if model.task == "auto":
+            model.task = dataset_task if dataset_task in TASKS else "classification"
+        if model.name == "auto":
+            model.name = DEFAULT_MODELS[model.task]
         if not run.out:
-            name = os.path.basename(os.path.normpath(data.path)) or "data"
+            names = [os.path.basename(os.path.normpath(p)) or "data" for p in data.path]
+            name = "+".join(names) if len(names) <= 3 else f"{names[0]}+{len(names) - 1}-more"
             run.out = os.path.join("runs", f"{name}-{model.name.replace(':', '.')}")
         if optim.lr is None:
             optim.lr = (0.1 / 256 if optim.optimizer == "sgd" else 5e-4 / 512) * run.batch_size
@@ -256,9 +283,12 @@ class TrainConfig:
     def validate(self) -> None:
         """Reject values no run can use, naming the option and the fix."""
         d, m, _, r = self.parts()
-        _require(bool(d.path), "no dataset given: pass DATA or set [data] path in --config")
         _require(
-            bool(MODEL_NAME.match(m.name)),
+            bool(d.path) and all(d.path),
+            "no dataset given: pass DATA or set [data] path in --config",
+        )
+        _require(
+            m.name == "auto" or bool(MODEL_NAME.match(m.name)),
             f"--model {m.name!r} is not a torchvision model name (e.g. resnet18) nor "
             "package.module:function (a factory taking num_classes=)",
         )
@@ -266,7 +296,7 @@ class TrainConfig:
         self._validate_numbers()
         self._validate_loader()
         _require(
-            d.loader.image_size <= MAX_IMAGE_SIZE,
+            d.loader.image_size is None or d.loader.image_size <= MAX_IMAGE_SIZE,
             f"data.image_size = {d.loader.image_size} is above {MAX_IMAGE_SIZE}: give the crop "
             "side in pixels (224 for ImageNet models)",
         )
@@ -412,8 +442,36 @@ def load_config(path: str | None, overrides: Mapping[str, Any] | None = None) ->
 def _values(table: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The options a TOML table sets, as option name → checked value (`dlpipe.options`'
     rules, with the flat keys of a section moved to where they live: `_nested`)."""
-    nested = _nested(table, (), options.option_specs(TrainConfig))
+    nested = _nested(_sources_tables(table, source), (), options.option_specs(TrainConfig))
     return options.table_options(nested, TrainConfig, source)
+
+
+def _sources_tables(table: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """`table` with ``[[data.sources]]`` (each a ``path`` and an optional ``weight``) read as
+    ``[data] path = [...]`` and ``weights = [...]``, which the resolved config writes."""
+    data = table.get("data")
+    if not isinstance(data, Mapping) or "sources" not in data:
+        return table
+    tables, where = data["sources"], f"config file {source}: data.sources"
+    loader = data.get("loader")
+    given = {"path", "weights"} & {*data, *(loader if isinstance(loader, Mapping) else ())}
+    _require(
+        isinstance(tables, list) and bool(tables) and all(isinstance(t, Mapping) for t in tables),
+        f"{where} must be [[data.sources]] tables, each with a path (and a weight)",
+    )
+    if given:
+        raise ConfigError(f"{where} and data.{min(given)} both name the datasets; give one")
+    for number, entry in enumerate(tables, 1):
+        unknown = sorted(set(entry) - {"path", "weight"})
+        _require(not unknown, f"{where} table {number} has {unknown}; a table takes path, weight")
+        _require("path" in entry, f"{where} table {number} has no path; give its dataset's path")
+    weighted = ["weight" in entry for entry in tables]
+    _require(all(weighted) or not any(weighted), f"{where}: give every table a weight, or none")
+    rest = {key: value for key, value in data.items() if key != "sources"}
+    rest["path"] = [entry["path"] for entry in tables]
+    if all(weighted):
+        rest["weights"] = [entry["weight"] for entry in tables]
+    return {**table, "data": rest}
 
 
 def _nested(

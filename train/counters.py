@@ -1,5 +1,6 @@
 """The trainer's own progress: `RunCounters` (steps, epochs, the epoch in progress, history)
-and `EarlyStopping` (patience on the validation loss), each `Stateful`.
+and `EarlyStopping` (patience on the validation loss, or 1 - the task's score), each
+`Stateful`.
 
     counters = RunCounters()
     counters.step += 1; counters.stats.add(result, wait_s, total_s)
@@ -31,13 +32,13 @@ __all__ = ["EarlyStopping", "RunCounters"]
 @dataclass
 class RunCounters:
     """Where a run stands: what a checkpoint must carry for the run to continue and report
-    whole (the epoch's running totals, the per-epoch history, the best top-1 so far)."""
+    whole (the epoch's running totals, the per-epoch history, the best val score so far)."""
 
     step: int = 0  # optimizer steps taken (skipped ones included)
     epoch: int = 0  # epochs finished
     bad_steps: int = 0  # non-finite steps in a row
     skipped_steps: int = 0  # steps whose optimizer update was skipped, all told
-    best_top1: float | None = None
+    best_top1: float | None = None  # the best val score: top-1, or mAP / mIoU (the task's)
     stats: EpochStats = field(default_factory=EpochStats)
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -86,7 +87,8 @@ def _is_record(record: Any, epoch: int) -> bool:
 
 
 class EarlyStopping:
-    """Stop once the validation loss has not improved for `patience` epochs in a row.
+    """Stop once the validation loss (for detection and segmentation: 1 - mAP or mIoU,
+    `dlpipe.train.tasks.TrainTask.stop_value`) has not improved for `patience` epochs in a row.
 
     Args:
         patience: epochs without a new best val loss before `update` says stop; None never

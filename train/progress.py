@@ -32,6 +32,15 @@ __all__ = [
 ]
 
 INPUT_BOUND_SHARE = 0.10  # waiting for data more than this share of step time is worth fixing
+_VAL_PARTS = (  # the validation numbers an epoch line shows, where the task has them
+    ("val_loss", "val loss", ".4f"),
+    ("top1", "top-1", ".2%"),
+    ("top5", "top-5", ".2%"),
+    ("map", "mAP", ".3f"),
+    ("map_50", "mAP@.5", ".3f"),
+    ("miou", "mIoU", ".2%"),
+    ("pixel_acc", "pixel acc", ".2%"),
+)
 
 
 @dataclass
@@ -91,12 +100,11 @@ def epoch_line(record: dict[str, Any], epochs: int, step: int) -> str:
     parts = [f"epoch {record['epoch']}/{epochs}", f"step {step}"]
     if record["train_loss"] is not None:
         parts.append(f"train loss {record['train_loss']:.4f}")
-    if "val_loss" in record:
-        parts += [
-            f"val loss {record['val_loss']:.4f}",
-            f"top-1 {100 * record['top1']:.2f}%",
-            f"top-5 {100 * record['top5']:.2f}%",
-        ]
+    parts += [
+        f"{label} {value:{form}}"
+        for key, label, form in _VAL_PARTS
+        if (value := record.get(key)) is not None
+    ]
     parts += [
         f"lr {record['lr']:.3g}",
         f"{record['samples_per_s']:.0f} samples/s",
@@ -109,16 +117,22 @@ def epoch_line(record: dict[str, Any], epochs: int, step: int) -> str:
 
 
 def input_verdict(
-    wait: float, data: str, micro_batch: int, image_size: int, min_crop_scale: float, cuda: bool
+    wait: float,
+    data: str,
+    micro_batch: int,
+    image_size: int | None,
+    min_crop_scale: float,
+    cuda: bool,
 ) -> str | None:
     """Advice when the steps waited for data more than `INPUT_BOUND_SHARE` of the time (`wait`:
     the epoch's first batch aside, the workers' start-up that no setting removes): the
     ``bench-loader`` command that measures (and keys its profile by) this run's loader config."""
     if wait <= INPUT_BOUND_SHARE:
         return None
+    size = "" if image_size is None else f" --image-size {image_size}"
     command = (
-        f"dlpipe bench-loader {shlex.quote(data)} --batch-size {micro_batch} "
-        f"--image-size {image_size} --min-crop-scale {min_crop_scale:g}"
+        f"dlpipe bench-loader {shlex.quote(data)} --batch-size {micro_batch}{size} "
+        f"--min-crop-scale {min_crop_scale:g}"
     )
     return (
         f"input-bound: waiting for data {100 * wait:.0f}% of the time after the first batch: "

@@ -6,7 +6,9 @@
                      epochs count from 1, as the console's ``epoch 1/90`` (the trainer's
                      "schedule" event says so with ``"first_epoch": 1``; runs before it: 0)
     tensorboard/     TensorBoard event files: train/*, epoch/*, val/*, val_class/*, val/confusion
-    confusion.png    the latest validation confusion matrix (see `render_confusion`)
+    confusion.png    the latest validation confusion matrix (classification; `render_confusion`)
+    predictions.png  a few validation images with predicted and true boxes or masks, after
+                     the latest evaluation (detection, segmentation; `dlpipe.train.pictures`)
     wandb-id.txt     the W&B run id, so a resumed run continues the same W&B run (--wandb only)
 
 Every file is appended to or replaced, never truncated, so a resumed run continues them. Only
@@ -31,16 +33,19 @@ from dlpipe import storage
 from dlpipe.errors import DlpipeError
 from dlpipe.train.confusion import MAX_CONFUSION_CLASSES, render_confusion
 from dlpipe.train.metrics import EvalResult
+from dlpipe.train.tasks import TaskScores
 
 __all__ = [
     "CONFUSION_NAME",
     "METRICS_NAME",
+    "PREDICTIONS_NAME",
     "MissingExtraError",
     "RunLogger",
 ]
 
 METRICS_NAME = "metrics.jsonl"
 CONFUSION_NAME = "confusion.png"
+PREDICTIONS_NAME = "predictions.png"
 JSONL_CONFUSION_CLASSES = 100
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_NAME = "wandb-id.txt"
@@ -133,7 +138,9 @@ class RunLogger:
         epoch: int,
         step: int,
         values: Mapping[str, float | None],
-        result: EvalResult | None,
+        result: EvalResult | TaskScores | None,
+        *,
+        source_samples: Sequence[int] | None = None,
     ) -> str | None:
         """Logs the end of an epoch: its values and, if there was validation, its result.
 
@@ -141,11 +148,15 @@ class RunLogger:
             epoch: The epoch just finished, counted from 1 (the console's numbering).
             step: Global optimizer step at its end (the x axis in TensorBoard and W&B).
             values: Name to value (None for a value not measured); ``epoch/<name>`` scalars.
-            result: The validation result, or None if this epoch was not validated.
+            result: The validation result (a classifier's, or a detection or segmentation
+                run's `TaskScores`), or None if this epoch was not validated.
+            source_samples: A mixture's samples from each dataset this epoch, over all ranks
+                (``"source_samples"``; ``epoch/source_samples/<i>`` scalars); None for one.
 
         Returns:
-            Path of the confusion matrix PNG written, or None (no result, logging disabled, or
-            more than `MAX_CONFUSION_CLASSES` classes).
+            Path of the picture written (the confusion matrix, or the predictions of
+            `TaskScores.picture`), or None (no result or picture, logging disabled, or more
+            than `MAX_CONFUSION_CLASSES` classes).
 
         Raises:
             ValueError: If a name is reserved, or the result's class count differs from
@@ -156,11 +167,19 @@ class RunLogger:
         record: dict[str, Any] = {"event": "epoch", "epoch": epoch, "step": step}
         record = _merge(record, values)
         scalars = {f"epoch/{key}": value for key, value in values.items() if value is not None}
-        if result is not None:
+        if source_samples is not None:
+            record = _merge(record, {"source_samples": list(source_samples)})
+            scalars.update({f"epoch/source_samples/{i}": n for i, n in enumerate(source_samples)})
+        if isinstance(result, TaskScores):
+            record = _merge(record, result.fields)
+            scalars.update(result.scalars)
+        elif result is not None:
             record = _merge(record, self._result_fields(result))
             scalars.update(self._result_scalars(result))
         self._write_line(record)
         self._log_scalars(scalars, step)
+        if isinstance(result, TaskScores):
+            return None if result.picture is None else self._log_picture(result.picture, step)
         if result is None or len(self.classes) > MAX_CONFUSION_CLASSES:
             return None
         return self._log_confusion(result, step)
@@ -229,12 +248,19 @@ class RunLogger:
 
     def _log_confusion(self, result: EvalResult, step: int) -> str:
         image = render_confusion(result.confusion, self.classes)
-        path = _save_png_atomic(image, os.path.join(self.run_dir, CONFUSION_NAME))
+        return self._log_image(image, "val/confusion", CONFUSION_NAME, step)
+
+    def _log_picture(self, image: Image.Image, step: int) -> str:
+        return self._log_image(image, "val/predictions", PREDICTIONS_NAME, step)
+
+    def _log_image(self, image: Image.Image, tag: str, name: str, step: int) -> str:
+        """`image` as the run folder's PNG `name` and TensorBoard's (and W&B's) `tag`."""
+        path = _save_png_atomic(image, os.path.join(self.run_dir, name))
         pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
-        self._writer.add_image("val/confusion", pixels, global_step=step, dataformats="HWC")
+        self._writer.add_image(tag, pixels, global_step=step, dataformats="HWC")
         self._writer.flush()
         if self._wandb_run is not None:
-            self._wandb_run.log({"val/confusion": self._wandb.Image(image)}, step=step)
+            self._wandb_run.log({tag: self._wandb.Image(image)}, step=step)
         return path
 
 

@@ -21,11 +21,10 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dlpipe.errors import DlpipeError
@@ -39,11 +38,11 @@ from dlpipe.loading.state import (
 )
 from dlpipe.loading.transforms import normalize
 from dlpipe.train.distributed import Distributed
-from dlpipe.train.metrics import EvalCounts, EvalResult
+from dlpipe.train.tasks import ClassificationTask, Evaluator, Result, TrainTask
 
 __all__ = ["Precision", "StepResult", "StepRunner", "TrainingError", "resolve_precision"]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Any, Any]  # (images, targets): a tensor or a list of each (`StepRunner.chunks`)
 
 
 class TrainingError(DlpipeError, RuntimeError):
@@ -78,6 +77,7 @@ class StepResult:
     grad_norm: float | None
     skipped: bool  # the optimizer did not step (non-finite loss or gradients)
     stop: bool  # some rank was asked to stop: checkpoint after this step
+    parts: dict[str, float] = field(default_factory=dict)  # the loss's parts, mean per sample
 
 
 class StepRunner:
@@ -89,7 +89,7 @@ class StepRunner:
         dist: the process group helpers.
         precision: the autocast recipe; fp16 brings a GradScaler.
         clip_grad: max gradient norm, or None.
-        label_smoothing: for the training loss.
+        task: the loss hook (`dlpipe.train.tasks`); default: classification's cross-entropy.
         channels_last: feed NHWC-strided inputs (else NCHW, whatever the loader's layout).
         on_backoff: told (micro-batch, accumulation) after an out-of-memory backoff.
     """
@@ -103,13 +103,14 @@ class StepRunner:
         precision: Precision,
         *,
         clip_grad: float | None = None,
-        label_smoothing: float = 0.0,
+        task: TrainTask | None = None,
         channels_last: bool = False,
         on_backoff: Callable[[int], None] | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dist, self.precision, self.device = dist, precision, dist.device
-        self.clip_grad, self.label_smoothing = clip_grad, label_smoothing
+        self.clip_grad = clip_grad
+        self.task = task if task is not None else ClassificationTask([])
         self.channels_last = channels_last
         self.on_backoff = on_backoff
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision.needs_scaler)
@@ -143,20 +144,23 @@ class StepRunner:
             result = self._attempt(batches)
             if result is not None:
                 return result
-            self.back_off(max(len(labels) for _, labels in batches))
+            self.back_off(max(len(targets) for _, targets in batches))
 
     def _attempt(self, batches: list[Batch]) -> StepResult | None:
         chunks = list(self._chunks(batches))
-        count = sum(len(labels) for _, labels in batches)
+        count = sum(len(targets) for _, targets in batches)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        part_sums: dict[str, torch.Tensor] = {}
         last_loss, oom = None, False
         try:
-            for i, (images, labels) in enumerate(chunks):
+            for i, (images, targets) in enumerate(chunks):
                 last = i == len(chunks) - 1
                 with self._sync(last):
-                    loss = self._forward(images, labels)
+                    loss, parts = self.task.loss(self, self.model, images, targets)
                     loss_sum += loss.detach()
+                    for name, value in parts.items():
+                        part_sums[name] = part_sums.get(name, 0) + value.double()
                     if last:
                         last_loss = loss  # its backward syncs: agree first
                     else:
@@ -173,9 +177,10 @@ class StepRunner:
         if any_oom:
             return None
         loss_mean = total / samples
+        parts = self._agreed_parts(part_sums, samples)
         if not math.isfinite(loss_mean):
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(math.nan, int(samples), None, True, any_stop > 0)
+            return StepResult(math.nan, int(samples), None, True, any_stop > 0, parts)
         assert last_loss is not None
         try:
             self.dist.guarded("the gradient all-reduce", lambda: self._backward(last_loss / count))
@@ -187,7 +192,16 @@ class StepRunner:
                 ) from None
             return None
         norm, skipped = self._optimizer_step()
-        return StepResult(loss_mean, int(samples), norm, skipped, any_stop > 0)
+        return StepResult(loss_mean, int(samples), norm, skipped, any_stop > 0, parts)
+
+    def _agreed_parts(self, sums: dict[str, torch.Tensor], samples: float) -> dict[str, float]:
+        """The loss parts' means per global sample (every rank's model names the same parts;
+        a task whose loss has none costs no collective)."""
+        if not sums:
+            return {}
+        values = torch.stack([sums[name] for name in sorted(sums)])
+        self.dist.all_reduce_(values, what="summing the step's loss parts")
+        return {name: v / samples for name, v in zip(sorted(sums), values.tolist(), strict=True)}
 
     def _chunks(self, batches: list[Batch]) -> Iterator[Batch]:
         for images, labels in batches:
@@ -199,24 +213,26 @@ class StepRunner:
             return contextlib.nullcontext()
         return no_sync()  # type: ignore[no-any-return,unused-ignore]
 
+    def inputs(self, images: torch.Tensor) -> torch.Tensor:
+        """A uint8 batch on the device, laid out as the model wants it and normalised there."""
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        images = images.to(self.device, non_blocking=True)  # the loader's layout
+        return normalize(images.contiguous(memory_format=layout))  # laid out in uint8
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast (off for fp32)."""
+        dtype = self.precision.dtype
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
     def logits(
         self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`model`'s logits for a uint8 batch (normalised on the device, under autocast), and
         the labels on the device; training and evaluation share it."""
-        layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        images = images.to(self.device, non_blocking=True)  # the loader's layout
-        x = normalize(images.contiguous(memory_format=layout))  # the model's, laid out in uint8
+        x = self.inputs(images)
         y = labels.to(self.device, non_blocking=True)
-        dtype = self.precision.dtype
-        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+        with self.autocast():
             return model(x), y
-
-    def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits, y = self.logits(self.model, images, labels)
-        return F.cross_entropy(
-            logits.float(), y, reduction="sum", label_smoothing=self.label_smoothing
-        )
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
@@ -243,38 +259,34 @@ class StepRunner:
             self.scheduler.step()
         return norm_value, skipped
 
-    def chunks(self, images: torch.Tensor, labels: torch.Tensor) -> Iterator[Batch]:
-        """One loader batch as the micro-batches the current backoff allows."""
-        size = math.ceil(len(labels) / self.splits)
-        yield from zip(images.split(size), labels.split(size), strict=True)
+    def chunks(self, images: Any, targets: Any) -> Iterator[Batch]:
+        """One loader batch as the micro-batches the current backoff allows (images and
+        targets each a tensor or a list: detection's)."""
+        size = math.ceil(len(targets) / self.splits)
+        yield from zip(_pieces(images, size), _pieces(targets, size), strict=True)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, loader: Any, num_classes: int) -> EvalResult:
+    def evaluate(self, model: nn.Module, loader: Any, evaluator: Evaluator) -> Result:
         """Every sample of `loader` (this rank's part) through `model` (not DDP: no collective
-        until the end, so an out-of-memory retry is per rank); counts summed over ranks."""
+        until the end, so an out-of-memory retry is per rank); the task's `evaluator` sums
+        or gathers the scores over ranks."""
         self.dist.average_buffers(model)
         model.eval()
-        counts = EvalCounts(num_classes, self.device)
-        for images, labels in loader:
+        for images, targets in loader:
             while True:
                 try:
                     outputs = [
-                        self._eval_forward(model, x, y) for x, y in self.chunks(images, labels)
+                        evaluator.forward(self, model, x, y)
+                        for x, y in self.chunks(images, targets)
                     ]
                     break
                 except torch.OutOfMemoryError:
-                    self.back_off(len(labels))
-            for logits, y, loss in outputs:
-                counts.update(logits, y, loss)
-        self.dist.all_reduce_(*counts.tensors(), what="summing the evaluation counts")
+                    self.back_off(len(targets))
+            for output in outputs:
+                evaluator.update(output)
+        result = evaluator.result(self.dist)
         model.train()
-        return counts.result()
-
-    def _eval_forward(
-        self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits, y = self.logits(model, images, labels)
-        return logits, y, F.cross_entropy(logits.float(), y, reduction="sum")
+        return result
 
     def back_off(self, loader_batch: int) -> None:
         """Halve the micro-batch after an out-of-memory error (raises at one sample)."""
@@ -289,3 +301,10 @@ class StepRunner:
         self.splits *= 2
         if self.on_backoff is not None:
             self.on_backoff(math.ceil(loader_batch / self.splits))
+
+
+def _pieces(items: Any, size: int) -> list[Any]:
+    """A tensor's or a list's consecutive pieces of `size` (the last may be shorter)."""
+    if isinstance(items, torch.Tensor):
+        return list(items.split(size))
+    return [items[start : start + size] for start in range(0, len(items), size)]

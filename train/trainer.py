@@ -33,17 +33,17 @@ from dlpipe.loading.loader import make_loader
 from dlpipe.loading.profile import LoaderProfile
 from dlpipe.options import config_toml, iter_options
 from dlpipe.train import checkpoint as ckpt
-from dlpipe.train import preflight, progress, resume, runfolder
+from dlpipe.train import preflight, progress, resume, runfolder, sources
 from dlpipe.train.config import TrainConfig, plan_batches
 from dlpipe.train.counters import EarlyStopping, RunCounters
 from dlpipe.train.distributed import DistributedError, init_distributed, watch_parent
-from dlpipe.train.metrics import EvalResult
 from dlpipe.train.models import build_model
 from dlpipe.train.optim import build_optimizer, build_scheduler
 from dlpipe.train.progress import RunSummary
 from dlpipe.train.reporting import RunLogger
 from dlpipe.train.signals import StopSignals
 from dlpipe.train.step import StepResult, StepRunner, TrainingError, resolve_precision
+from dlpipe.train.tasks import Result, make_task
 
 __all__ = ["RunSummary", "Trainer", "train_loader_config"]
 
@@ -81,16 +81,15 @@ class Trainer:
 
     def _build(self, config: TrainConfig, console: Console, show_config: bool, warn: Any) -> None:
         self.show_config = show_config
-        self.config = config.resolved()
-        self.config.validate()
+        self.config, self.manifest = preflight.resolve(config)
         self.dist = init_distributed(self.config.run.dist_timeout_s)
         watch_parent()
         self.console = console if self.dist.is_main else Console(quiet=True)
         self.warn = warn or (lambda text: print(f"warning: {text}", file=sys.stderr))
         d, m, o, r = self.config.parts()
         self.run_dir = r.out
-        self.manifest = preflight.check_dataset(self.config)
         self.classes = list(self.manifest.classes)
+        self.task = make_task(m.task, self.manifest, label_smoothing=o.label_smoothing)
         self.dist.on_main(
             "taking the run folder",
             lambda: runfolder.take_run_folder(self.config, self.console, self._resources),
@@ -100,9 +99,11 @@ class Trainer:
         random.seed(r.seed)
         np.random.seed(r.seed)
         torch.manual_seed(r.seed)
+        model = build_model(  # before the loaders: a wrong model fails before any tuning
+            m.name, len(self.classes), task=m.task, image_size=d.loader.image_size
+        ).to(self.dist.device)
         self.train_loader = self._loader(d.train_split, "train")
         self.val_loader = self._val_loader()
-        model = build_model(m.name, len(self.classes)).to(self.dist.device)
         if m.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
@@ -128,7 +129,7 @@ class Trainer:
             self.dist,
             self.precision,
             clip_grad=o.clip_grad,
-            label_smoothing=o.label_smoothing,
+            task=self.task,
             channels_last=m.channels_last,
             on_backoff=self._backed_off,
         )
@@ -164,11 +165,12 @@ class Trainer:
         says why, `loader_source`), the val loader on the nearest saved one, if any."""
         d = self.config.data
         config = train_loader_config(self.config, self.plan.micro_batch, transform)
+        config = sources.split_config(config, transform)
         profile: LoaderProfile | str | None = "auto"
         if transform == "train":
             profile, self.loader_source = self._train_profile(config)
-        return make_loader(
-            d.path,
+        loader = make_loader(
+            sources.loader_path(d.path),
             split,
             config,
             workers=d.workers.chosen(),
@@ -176,6 +178,7 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
+        return loader if len(d.path) == 1 else sources.MixtureBatches(loader, rank=self.dist.rank)
 
     def _train_profile(self, config: LoaderConfig) -> tuple[LoaderProfile | str | None, str]:
         """The train loader's profile (None: the defaults) and where it came from: the nearest
@@ -189,8 +192,9 @@ class Trainer:
             return "auto", f"given: --num-workers {d.workers.num_workers}"
         ranks = self.dist.world_size > 1
         why_not = "--tune off" if d.tune == "off" else _RANKS_DO_NOT_TUNE
+        path, config = sources.profile_target(d.path, config)  # a mixture's: its first dataset's
         profile, why = training_profile(
-            d.path,
+            path,
             d.train_split,
             config,
             tune=d.tune == "auto" and not ranks,
@@ -244,7 +248,7 @@ class Trainer:
                 path = self._save("epoch", best=self._is_best(result))
                 if early:
                     self.console.print(
-                        "early stop: val loss has not improved for "
+                        f"early stop: {self.task.stop_on} has not improved for "
                         f"{self.early_stop.stale_epochs} epochs"
                     )
                     return self._summary("early_stop", path)
@@ -291,6 +295,7 @@ class Trainer:
                 self.counters.step,
                 {
                     "loss": result.loss,
+                    **result.parts,
                     "lr": self.optimizer.param_groups[0]["lr"],
                     "grad_norm": math.nan if result.grad_norm is None else result.grad_norm,
                     "samples": result.samples,
@@ -308,41 +313,45 @@ class Trainer:
 
     # ---- evaluation and the end of an epoch ----------------------------------------------
 
-    def _evaluate(self) -> EvalResult | None:
+    def _evaluate(self) -> Result | None:
         """Every val sample exactly once over all ranks (`StepRunner.evaluate`)."""
         if self.val_loader is None:
             return None
         self.phase = "evaluation"
-        return self.runner.evaluate(self.model, self.val_loader, len(self.classes))
+        evaluator = self.task.evaluator(self.dist.device, keep_pictures=self.dist.is_main)
+        return self.runner.evaluate(self.model, self.val_loader, evaluator)
 
-    def _end_epoch(self, result: EvalResult | None) -> bool:
+    def _end_epoch(self, result: Result | None) -> bool:
         """Report the epoch, update early stopping; returns True to stop early."""
         lr = self.optimizer.param_groups[0]["lr"]
         values = progress.epoch_values(self.counters.stats, lr)
         number = self.counters.epoch + 1  # epochs are numbered from 1, as the console says
-        self._log().epoch(number, self.counters.step, values, result)
+        mixed = sources.epoch_source_samples(self.train_loader, self.dist)  # None: one dataset
+        self._log().epoch(number, self.counters.step, values, result, source_samples=mixed)
         record = {"epoch": number, **values}
         if result is not None:
-            record.update(val_loss=result.loss, top1=result.top1, top5=result.top5)
+            record.update(self.task.history(result))
         self.counters.history.append(record)
-        self._print_epoch(record, values["data_wait_after_first"])
+        self._print_epoch(record, values["data_wait_after_first"], mixed)
         self.counters.epoch += 1
         self.counters.stats = progress.EpochStats()
-        return result is not None and self.early_stop.update(result.loss)
+        return result is not None and self.early_stop.update(self.task.stop_value(result))
 
-    def _is_best(self, result: EvalResult | None) -> bool:
+    def _is_best(self, result: Result | None) -> bool:
+        """Whether `result` beats the best score so far (top-1, mAP or mIoU: the task's)."""
         best = self.counters.best_top1
-        if result is None or (best is not None and result.top1 <= best):
+        if result is None or (best is not None and self.task.score(result) <= best):
             return False
-        self.counters.best_top1 = result.top1
+        self.counters.best_top1 = self.task.score(result)
         return True
 
-    def _print_epoch(self, record: dict[str, Any], wait: float) -> None:
-        self.console.print(progress.epoch_line(record, self.config.run.epochs, self.counters.step))
+    def _print_epoch(self, record: dict[str, Any], wait: float, mixed: list[int] | None) -> None:
+        line = progress.epoch_line(record, self.config.run.epochs, self.counters.step)
+        self.console.print(line + escape(sources.source_samples_text(self.config.data.path, mixed)))
         d = self.config.data
         cuda = self.dist.device.type == "cuda"
         micro, size, scale = self.plan.micro_batch, d.loader.image_size, d.loader.min_crop_scale
-        advice = progress.input_verdict(wait, d.path, micro, size, scale, cuda)
+        advice = progress.input_verdict(wait, d.path[0], micro, size, scale, cuda)
         if advice:
             self.console.print(f"  {escape(advice)}")
 
@@ -413,10 +422,10 @@ class Trainer:
             self.console.print(text.rstrip(), markup=False)
         self.console.print(progress.plan_line(self.plan, self.steps_per_epoch))
         self.console.print(
-            f"model {escape(self.config.model.name)} ({params:,} parameters, "
+            f"{self.task.name} model {escape(self.config.model.name)} ({params:,} parameters, "
             f"{len(self.classes)} classes) on {self.dist.device}, precision "
-            f"{self.precision.name}; data {escape(d.path)} ({self.manifest.format}); run folder "
-            f"{escape(self.run_dir)}"
+            f"{self.precision.name}; data {escape(sources.described(d.path, d.loader))} "
+            f"({self.manifest.format}); run folder {escape(self.run_dir)}"
         )
         line = f"{self.train_loader.settings.line()} ({self.loader_source})"
         self.console.print(f"train loader {escape(line)}")

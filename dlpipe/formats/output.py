@@ -11,18 +11,27 @@ theirs); everything else in the folder is the owner's:
   keeps);
 - the finished shards and their per-split counts, ``errors.jsonl`` and the other record lists;
 - the manifest, written last from what the owner holds (never read back), then the journal goes.
+
+An append (``dlpipe convert --append``) adds a version to a finished dataset: `prepare_append`
+touches nothing the manifest lists, and `finish_version` merges the record lists (each new
+record tagged with its version) and replaces the manifest, last, with one that lists the old
+shards and the new ones after them. Until then the folder is the old version, whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime, timezone
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from dlpipe import storage
+from dlpipe._version import __version__
 from dlpipe.codecs import field_type
 from dlpipe.dataset_names import (
     CONVERT_CONFIG_NAME,
@@ -31,20 +40,38 @@ from dlpipe.dataset_names import (
     JOURNAL_DIR,
     JOURNAL_PLAN_NAME,
     KEYS_NAME,
+    MANIFEST_NAME,
 )
 from dlpipe.errors import DlpipeError, InvalidFieldError, OutputExistsError
+from dlpipe.formats.appended import merge_records, own_fields, split_after
 from dlpipe.formats.base import ShardFormat
 from dlpipe.formats.owned import (
     clash_message,
     dataset_entries,
+    owned_shards,
     prepare_output,
     record_shard_intent,
     remove_journal,
     remove_staging,
 )
-from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, write_manifest
+from dlpipe.manifest import (
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    VersionInfo,
+    VersionSplit,
+    parse_manifest,
+    read_manifest_bytes,
+    write_manifest,
+)
 
-__all__ = ["DatasetOutput", "EmptySplitError", "ShardResult", "class_counts"]
+__all__ = [
+    "DatasetChangedWhileAppendingError",
+    "DatasetOutput",
+    "EmptySplitError",
+    "ShardResult",
+    "class_counts",
+]
 
 _LISTS = (KEYS_NAME, DUPLICATES_NAME)  # the record lists a caller gives `finish`
 _FILES = (CONVERT_CONFIG_NAME,)  # the other files it gives
@@ -52,6 +79,10 @@ _FILES = (CONVERT_CONFIG_NAME,)  # the other files it gives
 
 class EmptySplitError(DlpipeError, ValueError):
     """Every sample of a split was skipped, so there is no dataset to write."""
+
+
+class DatasetChangedWhileAppendingError(DlpipeError, RuntimeError):
+    """The manifest an append was planned on was replaced before it could start."""
 
 
 class ShardResult(Protocol):
@@ -117,6 +148,42 @@ class DatasetOutput:
     def prepare(self, *, overwrite: bool, planned: Sequence[str] = ()) -> None:
         """Make the folder ready for a new dataset (`prepare_output`)."""
         prepare_output(self.out, overwrite, planned)
+
+    def prepare_append(self, base_sha256: str, planned: Sequence[str]) -> int:
+        """Make a finished dataset ready for a new version; nothing its manifest lists is
+        touched. The shards of an unfinished append (its journal proves them dlpipe's, the
+        manifest does not list them) are deleted and its journal goes: this run starts anew.
+
+        Args:
+            base_sha256: the sha256 of the ``dlpipe.json`` the append was planned on.
+            planned: the names of the shards this run writes.
+
+        Returns:
+            How many shards of an unfinished append were deleted.
+
+        Raises:
+            DatasetChangedWhileAppendingError: the manifest is no longer that one.
+            OutputExistsError: a file bears a planned name and dlpipe cannot prove it wrote it.
+        """
+        raw = read_manifest_bytes(self.out)
+        if hashlib.sha256(raw).hexdigest() != base_sha256:
+            raise DatasetChangedWhileAppendingError(
+                f"{self.out}: its {MANIFEST_NAME} changed after this append read it (another "
+                "append finished meanwhile?); run the command again to append to the new version"
+            )
+        manifest = parse_manifest(raw, storage.join(self.out, MANIFEST_NAME))
+        listed = {s.name for split in manifest.splits.values() for s in split.shards}
+        owned, _ = owned_shards(self.out)
+        names = set(self.entries())
+        left = sorted((owned - listed) & names)
+        clashes = [n for n in planned if n in names and n not in left]
+        if clashes:
+            raise OutputExistsError(clash_message(self.out, clashes))
+        for name in left:
+            storage.remove(storage.join(self.out, name))
+        remove_staging(self.out)
+        remove_journal(self.out)
+        return len(left)
 
     def claim_shard(self, name: str) -> None:
         """Note the intent to publish shard `name`, refusing a file of that name dlpipe did not
@@ -223,7 +290,7 @@ class DatasetOutput:
             storage.atomic_write_jsonl(storage.join(self.out, ERRORS_NAME), skipped)
         splits = self._splits(results, len(classes))
         fields = max((info.fields or {} for info in splits.values()), key=len)  # labelled: cls
-        splits = {n: _own_fields(i, fields) for n, i in splits.items()}
+        splits = {n: own_fields(i, fields) for n, i in splits.items()}
         for name, records in (lists or {}).items():
             assert name in _LISTS, name
             if records:
@@ -247,6 +314,65 @@ class DatasetOutput:
         remove_journal(self.out)  # the manifest now proves which shards are dlpipe's
         return written
 
+    def finish_version(
+        self,
+        order: Sequence[str],
+        base: Manifest,
+        base_sha256: str,
+        *,
+        classes: Sequence[str],
+        class_ids: tuple[int | str, ...] | None,
+        source: Mapping[str, Any],
+        lists: Mapping[str, Sequence[dict[str, Any]]] | None = None,
+    ) -> Manifest:
+        """Write version N+1 of `base` (version N, whose ``dlpipe.json`` had `base_sha256`):
+        the record lists (``errors.jsonl`` and `lists`), this version's records tagged with
+        it, then the manifest, last; remove the journal.
+
+        Args:
+            order: the added shards' names, in order (each one added).
+            classes, class_ids: the dataset's, with any new class at the end.
+            source: where this version's samples came from.
+            lists: record files to merge beside the shards, by name.
+
+        Returns:
+            The manifest as a reader will parse it.
+
+        Raises:
+            EmptySplitError: a split lost every added sample.
+            VersionFieldsError: an added split's fields are not the dataset's split's.
+        """
+        results = [self._shards[name] for name in order]
+        version = base.version + 1
+        added = self._splits(results, len(classes))
+        record = VersionInfo(
+            version,
+            {
+                name: VersionSplit(tuple(s.name for s in i.shards), i.samples)
+                for name, i in added.items()
+            },
+            date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            appended_to=base_sha256,
+            source=dict(source),
+        )
+        manifest = replace(
+            base,
+            splits=split_after(base, added, len(classes)),
+            classes=tuple(classes),
+            class_ids=class_ids,
+            dlpipe_version=__version__,
+            version=version,
+            versions=(*base.version_records(), record),
+            version_sha256=None,
+        )
+        skipped = [s for r in results for s in r.skipped]
+        for name, records in ((ERRORS_NAME, skipped), *(lists or {}).items()):
+            assert name == ERRORS_NAME or name in _LISTS, name
+            merge_records(storage.join(self.out, name), records, version)
+        written = write_manifest(self.out, manifest)
+        remove_journal(self.out)
+        return written
+
     def _splits(self, results: list[ShardResult], num_classes: int) -> dict[str, SplitInfo]:
         """Each split's shards, class counts and fields, in the order of `results`."""
         splits = {}
@@ -265,12 +391,6 @@ class DatasetOutput:
                 fields={name: field_type(name) for name in names},
             )
         return splits
-
-
-def _own_fields(split: SplitInfo, fields: dict[str, str]) -> SplitInfo:
-    """`split` with its own fields only where they differ from the dataset's."""
-    own = split.fields if split.fields != fields else None
-    return SplitInfo(shards=split.shards, class_counts=split.class_counts, fields=own)
 
 
 def class_counts(split: str, labels: Sequence[int], num_classes: int) -> tuple[int, ...] | None:

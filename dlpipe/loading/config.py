@@ -27,7 +27,7 @@ from typing import Any
 
 from dlpipe.errors import DlpipeError
 from dlpipe.machine import usable_cpus, worker_limit
-from dlpipe.options import area_share, int_in_range, option
+from dlpipe.options import area_share, int_in_range, non_negative_float, option, parse_size
 
 __all__ = [
     "LoaderArgumentError",
@@ -36,9 +36,25 @@ __all__ = [
     "WorkerSettings",
     "bounded_workers",
     "default_workers",
+    "recipe_task",
 ]
 
-TRANSFORMS = ("auto", "train", "eval")
+CLASSIFICATION_RECIPES = ("train", "eval")
+TASK_RECIPES: dict[str, tuple[str, ...]] = {
+    "detection": ("train", "hflip", "ssd", "ssdlite", "eval"),
+    "segmentation": ("train", "eval"),
+}
+"""The joint transform recipes of the tasks that have their own (`dlpipe.loading.task_transforms`;
+detection's ``train`` is ``hflip``); every other dataset has `CLASSIFICATION_RECIPES`."""
+TRANSFORMS = ("auto", *dict.fromkeys(CLASSIFICATION_RECIPES + sum(TASK_RECIPES.values(), ())))
+DEFAULT_IMAGE_SIZE: dict[str, int | None] = {
+    "classification": 224,
+    "detection": None,
+    "segmentation": 480,
+}
+"""``image_size`` when a config leaves it None: the classification crop; each detection image
+keeps its size (torchvision's references leave resizing to the model); the segmentation
+reference's train crop (its eval resize, ``base_size``, is 520)."""
 ENGINES = ("processes", "threads")
 DECODE_DEVICES = ("cpu", "cuda")
 Transform = str | Callable[..., Any] | None
@@ -68,29 +84,61 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def recipe_task(task: str | None) -> str:
+    """The task whose recipes and defaults a dataset of manifest task `task` has: detection and
+    segmentation their own (`TASK_RECIPES`), every other dataset classification's."""
+    return task if task is not None and task in TASK_RECIPES else "classification"
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
     """What one loader yields: the batch, the transform, the order.
 
     Attributes:
         batch_size: samples per batch on this rank.
-        transform: ``"train"`` (RandomResizedCrop + flip), ``"eval"`` (resize + centre crop),
-            None (raw sample dicts, batched as lists), or a callable on a sample dict;
-            ``"auto"`` is ``"train"`` for the train split and ``"eval"`` otherwise.
-        image_size: the crop side of the image transforms, in pixels.
-        min_crop_scale: the smallest share of the image area a ``"train"`` crop keeps
-            (torchvision's and timm's default 0.08; raise it when objects are small).
+        transform: a recipe of the dataset's task: classification's ``"train"``
+            (RandomResizedCrop + flip) and ``"eval"`` (resize + centre crop); detection's
+            ``"train"`` (= ``"hflip"``), ``"ssd"``, ``"ssdlite"`` and ``"eval"``;
+            segmentation's ``"train"`` and ``"eval"`` (`dlpipe.loading.task_transforms`);
+            ``"auto"`` is ``"train"`` for the train split and ``"eval"`` otherwise; None (raw
+            sample dicts, batched as lists), or a callable on a sample dict.
+        image_size: the side of the batches' images, in pixels; None is the task's
+            (`DEFAULT_IMAGE_SIZE`): the classification crop 224, the segmentation train crop
+            480, and detection images keep their sizes (given, they are resized to it).
+        base_size: segmentation: the side the eval recipe resizes to, and the train recipe's
+            random resize is based on; None is ``image_size`` x 520/480 (the references').
+        min_crop_scale: the smallest share of the image area a classification ``"train"``
+            crop keeps (torchvision's and timm's default 0.08; raise it when objects are small).
         shuffle, drop_last: None is True for the train split and False otherwise.
         seed: seeds the epoch permutations and augmentation.
+        weights, on_source_end, epoch_samples, class_map: a mixture of several datasets
+            (`make_loader` given a list of paths; `dlpipe.loading.mixing`), which changes what
+            the batches are: each source's share of every epoch (None: its size), what a
+            source that runs out does (``"cycle"``: its next permutation; ``"stop"``: each
+            sample once an epoch), the samples per epoch (None: the sources' total), and
+            ``{"SOURCE": {"their_class": "our_class"}}`` for sources whose classes differ.
+        cache_dir, cache_limit: where and how large a URL dataset's shard cache is
+            (`dlpipe.loading.remote`; bytes as an int or ``"50GB"``); they change neither the
+            batches nor the profile's key.
+        dataset_version: read the dataset as it was at this version (`Manifest.at_version`:
+            each split's shards of versions 1..N), so a state saved on version N goes on after
+            ``dlpipe convert --append`` made N+1; None: the latest (which refuses such a state,
+            naming both versions).
     """
 
     batch_size: int = 64
     transform: Transform = "auto"
     # the fields made with `option` are a user's choices: each is also a ``dlpipe train`` flag
     # and a [data.loader] key (its other fields, the trainer sets from the run)
-    image_size: int = option(
-        "the crop side of the image transforms, in pixels",
-        default=224,
+    image_size: int | None = option(
+        "the side of the batches' images, in pixels (default: the task's: a 224 classification "
+        "crop, a 480 segmentation crop; detection images keep their sizes)",
+        default=None,
+        parse=int_in_range(1, MAX_IMAGE_SIZE),
+    )
+    base_size: int | None = option(
+        "segmentation: the side the eval recipe resizes to (default: image size x 520/480)",
+        default=None,
         parse=int_in_range(1, MAX_IMAGE_SIZE),
     )
     min_crop_scale: float = option(
@@ -101,10 +149,55 @@ class LoaderConfig:
     shuffle: bool | None = None
     seed: int = 0
     drop_last: bool | None = None
+    # the mixing fields (options too: ``dlpipe train A B --weights 0.7,0.3``), checked against
+    # the sources by `dlpipe.loading.mix_sources`
+    weights: tuple[float, ...] | None = option(
+        "several datasets: each one's share of every epoch, one per dataset, e.g. 0.7,0.3 "
+        "(default: each one's size)",
+        default=None,
+        parse=non_negative_float,
+        metavar="W",
+    )
+    on_source_end: str = option(
+        "several datasets: a dataset that runs out goes on with its next permutation (cycle) "
+        "or gives each sample once an epoch (stop)",
+        default="cycle",
+        choices=("cycle", "stop"),
+    )
+    epoch_samples: int | None = option(
+        "several datasets: samples per epoch (default: the datasets' total)",
+        default=None,
+        parse=int_in_range(1),
+        metavar="N",
+    )
+    class_map: Mapping[str, Mapping[str, str]] | None = None
+    cache_dir: str | None = option(
+        "a URL dataset's shard cache: the folder holding one cache per dataset (default: "
+        "$DLPIPE_DATA_DIR/cache, else ~/.cache/dlpipe/shards)",
+        default=None,
+        metavar="DIR",
+    )
+    cache_limit: int | None = option(
+        "the most bytes of shards a URL dataset's cache keeps, e.g. 50GB (default: what it "
+        "holds plus half the free space of its disk)",
+        default=None,
+        parse=parse_size,
+        metavar="SIZE",
+    )
+    dataset_version: int | None = option(
+        "read the dataset as it was at this version (its shards of versions 1..N): go on with "
+        "a run saved before an append (default: the latest)",
+        default=None,
+        parse=int_in_range(1, 1 << 20),
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
-        for name, most in (("batch_size", MAX_BATCH_SIZE), ("image_size", MAX_IMAGE_SIZE)):
+        for name in ("batch_size", "image_size", "base_size"):
             value = getattr(self, name)
+            most = MAX_BATCH_SIZE if name == "batch_size" else MAX_IMAGE_SIZE
+            if value is None and name != "batch_size":
+                continue  # the task's default
             if not _is_int(value) or value < 1:
                 raise _reject(name, value, "is not a positive integer", f"pass {name}=64, say")
             if value > most:
@@ -117,7 +210,7 @@ class LoaderConfig:
         if not (self.transform is None or callable(self.transform)) and (
             self.transform not in TRANSFORMS
         ):
-            rule = "is not 'auto', 'train', 'eval', None or a callable"
+            rule = f"is not one of {', '.join(map(repr, TRANSFORMS))}, None or a callable"
             raise _reject("transform", self.transform, rule, "pass one of those")
         if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             rule = f"is not an integer in 0..{MAX_SEED} (what numpy and torch seed with)"
@@ -126,20 +219,31 @@ class LoaderConfig:
             if getattr(self, name) not in (None, True, False):
                 raise _reject(name, getattr(self, name), "is not True, False or None", "pass one")
 
-    def resolved(self, split: str) -> LoaderConfig:
-        """This config for `split`: ``transform="auto"``, ``shuffle`` and ``drop_last`` settled
-        (``"train"``, True, True for the train split; ``"eval"``, False, False otherwise)."""
-        train = split == "train"
-        auto = "train" if train else "eval"
+    def resolved(self, split: str, task: str | None = None) -> LoaderConfig:
+        """This config for `split` and a dataset of `task` (`recipe_task`; None: not known,
+        classification's defaults and no check): ``transform="auto"``, ``shuffle`` and
+        ``drop_last`` settled (``"train"``, True, True for the train split; ``"eval"``,
+        False, False otherwise), and ``image_size`` None the task's (`DEFAULT_IMAGE_SIZE`).
+
+        Raises:
+            LoaderConfigError: a `task` is given and the transform is not one of its recipes.
+        """
+        train, kind = split == "train", recipe_task(task)
+        transform = ("train" if train else "eval") if self.transform == "auto" else self.transform
+        recipes = TASK_RECIPES.get(kind, CLASSIFICATION_RECIPES)
+        if task is not None and isinstance(transform, str) and transform not in recipes:
+            rule = f"is not a recipe of this {kind} dataset (its recipes: {', '.join(recipes)})"
+            raise _reject("transform", transform, rule, "pass one of those, None or a callable")
         return dataclasses.replace(
             self,
-            transform=auto if self.transform == "auto" else self.transform,
+            transform=transform,
+            image_size=DEFAULT_IMAGE_SIZE[kind] if self.image_size is None else self.image_size,
             shuffle=train if self.shuffle is None else self.shuffle,
             drop_last=train if self.drop_last is None else self.drop_last,
         )
 
     def transform_name(self, split: str) -> str:
-        """``"train"``/``"eval"`` (``"auto"`` settled by `split`), ``"none"`` or ``"custom"``."""
+        """The recipe (``"auto"`` settled by `split`), ``"none"`` or ``"custom"``."""
         transform = self.resolved(split).transform
         if transform is None:
             return "none"

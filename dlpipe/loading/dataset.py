@@ -11,14 +11,19 @@ shard stream and each worker every ``workers``-th of that run's shard segments
 (`dlpipe.loading.order` holds both splits; `make_loader` deals a stream to its workers in
 whole batches instead, so that no batch mixes them).
 Readers open lazily in the process that reads, so the object is safe to hand to fork or spawn
-DataLoader workers.
+DataLoader workers. A dataset at a URL is read, in every format, from the local copies of its
+shard cache (`dlpipe.loading.remote`), which each reading process makes for itself; the
+loader's views tell `ShardReaders` the order of the reads to come, so the cache prefetches
+and evicts by it.
 
 A prepared dataset is untrusted input and may be replaced while it is read
 (``dlpipe convert --overwrite`` under a live loader). The view records which ``dlpipe.json``
 it parsed; whenever a shard is opened in a process (each pass, for streaming shards) it checks,
 with one stat, that this manifest is still in place, and raises `DatasetChangedError` if not
 (an overwrite removes the manifest before it touches a shard, so a shard opened while the
-manifest is unchanged holds what it lists). Every sample's key is checked against the key rule
+manifest is unchanged holds what it lists). A cached remote shard was checked against the
+parsed manifest's sha256 instead, and the manifest is looked at again only when a shard
+cannot be had. Every sample's key is checked against the key rule
 and, when the dataset has class names, its ``cls`` label against ``0..len(classes) - 1``.
 """
 
@@ -36,12 +41,14 @@ import torch.utils.data
 
 from dlpipe import storage
 from dlpipe.errors import DlpipeError
-from dlpipe.formats import ShardFormat, ShardReader, get_format, require_storage
-from dlpipe.loading.order import StreamOrder, reader_part
+from dlpipe.formats import ShardFormat, ShardReader, get_format
+from dlpipe.loading.order import EpochSampler, Segment, StreamOrder, reader_part
+from dlpipe.loading.remote import CachedShardReader, RemoteShards
 from dlpipe.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
+    is_later_version,
     parse_manifest,
     read_manifest_bytes,
 )
@@ -83,7 +90,8 @@ class ManifestStamp:
         """True when the manifest no longer holds the bytes that were parsed.
 
         One stat when nothing changed; the file is read again only when its identity did, so
-        a touched, or byte-identical rewritten, manifest is no change.
+        a touched, or byte-identical rewritten, manifest is no change, and neither is a later
+        version of the dataset (``dlpipe convert --append`` rewrites no shard this view lists).
         """
         if _manifest_identity(self.folder) == self.identity:
             return False
@@ -91,7 +99,8 @@ class ManifestStamp:
             raw = read_manifest_bytes(self.folder)
         except DlpipeError:
             return True
-        return hashlib.sha256(raw).hexdigest() != self.sha256
+        digest = hashlib.sha256(raw).hexdigest()
+        return digest != self.sha256 and not is_later_version(raw, self.sha256)
 
     def check(self, shard: str) -> None:
         """Raise `DatasetChangedError` (naming `shard`) when the manifest changed."""
@@ -141,7 +150,9 @@ class CheckedReader:
     """A shard reader as the dataset view hands it out: the manifest is checked when the shard
     is opened in a process, and every sample's key and label when it is read."""
 
-    def __init__(self, reader: ShardReader, stamp: ManifestStamp, num_classes: int) -> None:
+    def __init__(
+        self, reader: ShardReader | CachedShardReader, stamp: ManifestStamp, num_classes: int
+    ) -> None:
         self.reader, self.stamp, self.num_classes = reader, stamp, num_classes
         self._opened_in: int | None = None
 
@@ -199,14 +210,19 @@ class CheckedReader:
 
     def _open_with(self, read: Callable[[], Sample], index: int) -> Sample:
         """The first sample read in this process or pass, with the manifest checked around
-        the shard's opening (a missing or resized shard is named a replacement if it is one)."""
-        self.stamp.check(self.info.name)
+        the shard's opening (a missing or resized shard is named a replacement if it is one).
+        A cached remote shard was checked against the parsed manifest's sha256 instead, so
+        its manifest is looked at only when it could not be had (no request per pass)."""
+        cached = isinstance(self.reader, CachedShardReader)
+        if not cached:
+            self.stamp.check(self.info.name)
         try:
             sample = read()
         except DlpipeError:
             self.stamp.check(self.info.name)
             raise
-        self.stamp.check(self.info.name)
+        if not cached:
+            self.stamp.check(self.info.name)
         self._opened_in = os.getpid()
         return self._checked(sample, index)
 
@@ -224,14 +240,23 @@ class CheckedReader:
 class ShardReaders(Sequence[CheckedReader]):
     """A split's shard readers, each made when it is first asked for: opening a split of
     10,000 shards makes none, and reading sample ``i`` makes (and opens) only its shard's.
+    A remote dataset's readers read through this process's shard cache (`remote`), told the
+    order of the reads to come (`follow`, `reading`, `reading_segments`: no-ops on local
+    datasets).
 
     Pickles without the readers made so far (a DataLoader worker makes its own).
     """
 
     def __init__(
-        self, folder: str, manifest: Manifest, split: str, stamp: ManifestStamp, fmt: ShardFormat
+        self,
+        folder: str,
+        manifest: Manifest,
+        split: str,
+        stamp: ManifestStamp,
+        fmt: ShardFormat,
+        remote: RemoteShards | None = None,
     ) -> None:
-        self.folder, self.stamp, self.format = folder, stamp, fmt
+        self.folder, self.stamp, self.format, self.remote = folder, stamp, fmt, remote
         self.shards = manifest.split(split).shards
         self.fields, self.num_classes = list(manifest.fields_of(split)), len(manifest.classes)
         self._made: dict[int, CheckedReader] = {}
@@ -254,10 +279,31 @@ class ShardReaders(Sequence[CheckedReader]):
             raise IndexError(f"shard {index} is out of range for {len(self)} shards")
         reader = self._made.get(index)
         if reader is None:
-            info = self.shards[index]
-            shard = self.format.reader(storage.join(self.folder, info.name), info, self.fields)
-            reader = self._made[index] = CheckedReader(shard, self.stamp, self.num_classes)
+            reader = self._made[index] = CheckedReader(
+                self._reader(self.shards[index]), self.stamp, self.num_classes
+            )
         return reader
+
+    def _reader(self, info: ShardInfo) -> ShardReader | CachedShardReader:
+        if self.remote is not None:
+            return CachedShardReader(self.remote, self.format, info, self.fields)
+        return self.format.reader(storage.join(self.folder, info.name), info, self.fields)
+
+    def follow(self, sampler: EpochSampler) -> None:
+        """A map-style loader draws its indices from `sampler` (a remote dataset plans from it)."""
+        if self.remote is not None:
+            self.remote.follow(sampler)
+
+    def reading(self, epoch: int, index: int) -> None:
+        """A map-style loader reads sample `index` of `epoch` next (a remote dataset plans
+        the reads of this worker at the first of each epoch)."""
+        if self.remote is not None:
+            self.remote.plan_map(epoch, index)
+
+    def reading_segments(self, order: StreamOrder, segments: list[Segment], epoch: int) -> None:
+        """A stream reader reads `segments` of `epoch` next (a remote dataset plans them)."""
+        if self.remote is not None:
+            self.remote.plan_stream(order, segments, epoch)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_made": {}}
@@ -267,9 +313,11 @@ class ShardReaders(Sequence[CheckedReader]):
         return len(self._made)
 
     def close(self) -> None:
-        """Close every reader made (the others hold nothing)."""
+        """Close every reader made (the others hold nothing), and this process's cache."""
         for reader in self._made.values():
             reader.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 Transform = Callable[[Sample], Any]
@@ -301,6 +349,7 @@ class PreparedDataset:
         rank: int,
         world_size: int,
         transform: Transform | None,
+        remote: RemoteShards | None = None,
     ) -> None:
         self.path = path
         self.manifest = manifest
@@ -308,7 +357,7 @@ class PreparedDataset:
         self.rank, self.world_size = rank, world_size
         self.transform = transform
         self.stamp = stamp
-        self.readers = ShardReaders(path, manifest, split, stamp, fmt)
+        self.readers = ShardReaders(path, manifest, split, stamp, fmt, remote)
         self.shard_samples = [s.samples for s in manifest.split(split).shards]
         counts = np.asarray(self.shard_samples, dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
@@ -351,6 +400,10 @@ class MapDataset(PreparedDataset, torch.utils.data.Dataset):
         consumer, consumers = reader_part(self.rank, self.world_size)
         n = len(self)
         start, stop = consumer * n // consumers, (consumer + 1) * n // consumers
+        ends = self._starts[1:]
+        first, last = np.searchsorted(ends, start, "right"), np.searchsorted(ends, stop, "left")
+        if start < stop and self.readers.remote is not None:
+            self.readers.remote.plan(range(int(first), int(last) + 1))
         for shard in range(len(self.readers)):
             lo, hi = int(self._starts[shard]), int(self._starts[shard + 1])
             if hi <= start or lo >= stop:
@@ -383,6 +436,8 @@ class StreamDataset(PreparedDataset, torch.utils.data.IterableDataset):
             equal_shares=False,
         )
         segments = order.worker_segments(order.segments(0))
+        if self.readers.remote is not None:
+            self.readers.remote.plan([s.shard for s in segments])
         yield from (self._emit(s) for _, s in order.read(self.readers, segments, 0))
 
 
@@ -393,8 +448,15 @@ def open_dataset(
     rank: int | None = None,
     world_size: int | None = None,
     transform: Transform | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | str | None = None,
+    version: int | None = None,
 ) -> MapDataset | StreamDataset:
     """Open one split of a prepared dataset (local folder or fsspec URL).
+
+    A URL's shards, in every format, are read through a local shard cache
+    (`dlpipe.loading.remote`): each is downloaded once, checked against the manifest's size
+    and sha256, prefetched in the order the readers take them and evicted by next use.
 
     Args:
         path: the dataset folder, holding ``dlpipe.json``.
@@ -403,18 +465,43 @@ def open_dataset(
             default from ``torch.distributed`` or the ``RANK``/``WORLD_SIZE`` variables.
         transform: applied to each sample (a dict of field bytes) as it is read, e.g.
             `dlpipe.decode_sample`.
+        cache_dir: a URL's cache: the folder holding one cache folder per dataset (default:
+            ``$DLPIPE_DATA_DIR/cache``, else ``~/.cache/dlpipe/shards``). Unused for a path.
+        cache_limit: the most bytes of shards the cache keeps, as bytes or ``"50GB"``
+            (default: what it holds plus half the free space of its disk).
+        version: read the dataset as it was at this version (each split's shards of versions
+            1..`version`, `dlpipe.Manifest.at_version`); None: the latest.
 
     Raises:
         ManifestNotFoundError, ManifestError: not a (finished) dataset.
+        DatasetVersionError: the dataset has no such `version`.
         DatasetChangedError: later, when a shard is opened after the manifest was replaced.
-        UnsupportedStorageError: an lmdb dataset given as a URL.
+        CacheSettingError, ShardCacheLimitError: a URL with a bad cache setting.
+        ShardFetchError, CacheDiskFullError: later, when a remote shard cannot be had intact.
         KeyError: no such split (the message lists the splits).
     """
     path = os.fspath(path)
     manifest, stamp = read_manifest_stamped(path)
+    if version is not None:
+        manifest = manifest.at_version(version)
     fmt = get_format(manifest.format, manifest.format_version)
-    require_storage(fmt, path)
     rank, world_size = resolve_rank(rank, world_size)
     cls = MapDataset if fmt.random_access else StreamDataset
-    where = {"rank": rank, "world_size": world_size}
-    return cls(path, manifest, split, fmt=fmt, stamp=stamp, transform=transform, **where)
+    remote = None
+    if storage.is_url(path):
+        shards = [s for info in manifest.splits.values() for s in info.shards]
+        split_shards = manifest.split(split).shards
+        remote = RemoteShards(
+            path, shards, split_shards, cache_dir=cache_dir, cache_limit=cache_limit
+        )
+    return cls(
+        path,
+        manifest,
+        split,
+        fmt=fmt,
+        stamp=stamp,
+        transform=transform,
+        rank=rank,
+        world_size=world_size,
+        remote=remote,
+    )

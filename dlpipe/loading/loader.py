@@ -6,6 +6,15 @@
         x = dlpipe.normalize(images, "cuda")
     state = loader.state_dict()            # mid-epoch; a new loader's load_state_dict resumes
 
+On a detection or segmentation dataset (the manifest's task) the transform is the task's
+recipe (`dlpipe.loading.task_transforms`) and the batches are in torchvision's conventions
+(`dlpipe.loading.task_collate`): ``(images, targets)``, images a uint8 (N, 3, H, W) batch when
+their sizes agree, else a list of (3, H_i, W_i), targets a list of dicts (``boxes`` as
+``tv_tensors.BoundingBoxes``, ``labels``, ``iscrowd``, ``image_id``, ``masks`` where present);
+``(images, masks)``, uint8 (N, 3, H, W) and uint8 (N, H, W), for segmentation. A sample whose
+annotation makes no valid target (`dlpipe.loading.targets.TargetError`) is an error naming it,
+as one whose image does not decode is.
+
 The order and its state are dlpipe's own (`dlpipe.loading.order`), counted in batches yielded
 to the caller, not prefetched: random-access formats (lmdb, hdf5) go through `EpochSampler` in
 the main process, and a state resumes exactly with another ``num_workers``, world size or both
@@ -44,27 +53,32 @@ import os
 import signal
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from dlpipe.errors import DlpipeError
+from dlpipe.errors import DlpipeError, ManifestError
 from dlpipe.loading.config import (
+    TASK_RECIPES,
     LoaderConfig,
     LoaderConfigError,
     WorkerSettings,
     bounded_workers,
     default_workers,
     loader_arguments,
+    recipe_task,
 )
-from dlpipe.loading.dataset import PreparedDataset, open_dataset
+from dlpipe.loading.mix_sources import open_sources
 from dlpipe.loading.order import PassOrder, PassProgress, Run
 from dlpipe.loading.profile import LoaderProfile, select_profile
 from dlpipe.loading.stages import Stages, make_stages
-from dlpipe.loading.state import require_equal, require_fields
+from dlpipe.loading.state import StateMismatchError, require_equal, require_fields
+from dlpipe.loading.targets import TargetSpec
+from dlpipe.loading.task_transforms import TaskTransform
 from dlpipe.loading.threads import one_torch_thread
 from dlpipe.loading.torch_private import HookedDataLoader, shutdown_workers
 from dlpipe.loading.transforms import ImageTransform, image_field
-from dlpipe.loading.views import ViewPlan, plan_view
+from dlpipe.loading.views import Opened, ViewPlan, plan_view, tag_sources
+from dlpipe.manifest_versions import state_version_problem
 from dlpipe.processes import stop_signals_blocked
 
 __all__ = ["PreparedLoader", "StaleIteratorError", "make_loader"]
@@ -126,7 +140,8 @@ class PreparedLoader(HookedDataLoader):
         self._stages = stages
         super().__init__(plan.view, **plan.options, **options)
         self.order: PassOrder = plan.order
-        self._identity = {"dataset": plan.dataset.stamp.sha256, "split": plan.dataset.split}
+        self._identity = plan.identity
+        self._manifest = plan.dataset.manifest  # its versions name an older state's version
         self._pass: PassProgress | None = None
         self._inner: Any = None  # the DataLoader iterator of the pass (its workers)
         self._generation = 0
@@ -204,6 +219,10 @@ class PreparedLoader(HookedDataLoader):
                 shuffle; for wds also another world size or batch size.
         """
         saved = require_fields(state, ("dataset", "split"), "loader")
+        saved = {"dataset_version": 1, **saved}  # saved before datasets had versions: 1
+        problem = state_version_problem(saved["dataset"], self._manifest)
+        if problem is not None:
+            raise StateMismatchError(problem, problem=problem)
         fix = "load a state saved by a loader of the same dataset and split"
         for name, value in self._identity.items():
             require_equal(saved, name, value, "loader", fix)
@@ -222,13 +241,30 @@ class PreparedLoader(HookedDataLoader):
         self._inner = None
 
 
-def make_transform(config: LoaderConfig, dataset: PreparedDataset) -> Callable[..., Any] | None:
-    """A resolved config's transform as the callable a loader (and the tuner) applies to each
-    sample (None: raw samples)."""
+def make_transform(config: LoaderConfig, dataset: Opened) -> Callable[..., Any] | None:
+    """A config's transform, resolved for the dataset's split and task, as the callable a
+    loader (and the tuner) applies to each sample (None: raw samples): a detection or
+    segmentation dataset's recipe is a `TaskTransform`, any other dataset's an
+    `ImageTransform`.
+
+    Raises:
+        ManifestError: a detection or segmentation dataset without the annotation field its
+            task reads.
+    """
     transform = config.transform
     if transform is None or callable(transform):
         return transform
-    field = image_field(list(dataset.manifest.fields))
+    manifest = dataset.manifest
+    if recipe_task(manifest.task) in TASK_RECIPES:
+        try:
+            spec = TargetSpec.from_manifest(manifest)
+        except ValueError as exc:
+            raise ManifestError(f"{dataset.path}: {exc}") from None
+        field = image_field(list(manifest.fields))
+        return TaskTransform(spec, str(transform), config.image_size, field, config.seed,
+                             base_size=config.base_size)  # fmt: skip
+    assert config.image_size is not None  # resolved: a classification loader's is set
+    field = image_field(list(manifest.fields))
     return ImageTransform(
         str(transform), config.image_size, field, config.seed, config.min_crop_scale
     )
@@ -237,7 +273,7 @@ def make_transform(config: LoaderConfig, dataset: PreparedDataset) -> Callable[.
 def _worker_settings(
     workers: str | WorkerSettings | None,
     profile: str | LoaderProfile | None,
-    where: tuple[str | os.PathLike[str], str, LoaderConfig],
+    where: tuple[str | os.PathLike[str], str, LoaderConfig, str],
     **fields: Any,
 ) -> tuple[WorkerSettings, str]:
     """The settings `workers` names (``"auto"``: the nearest saved profile, else the
@@ -248,9 +284,9 @@ def _worker_settings(
     if isinstance(workers, WorkerSettings):
         base = workers
     elif workers == "auto":
-        path, split, config = where
+        path, split, config, task = where
         decode = fields.get("decode")  # prefer a profile measured decoding there
-        chosen = select_profile(profile, path, split=split, config=config, decode=decode)
+        chosen = select_profile(profile, path, split=split, config=config, decode=decode, task=task)
         base = default_workers() if chosen is None else chosen.settings
         origin = "defaults" if chosen is None else "profile"
     elif workers is None:
@@ -266,7 +302,7 @@ def _worker_settings(
 
 
 def make_loader(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     split: str = "train",
     config: LoaderConfig | None = None,
     *,
@@ -279,11 +315,18 @@ def make_loader(
     """A `PreparedLoader` over one split of a prepared dataset (any format).
 
     Args:
-        path, split: the dataset and split.
+        path, split: the dataset and split; a list of dataset paths (local lmdb or hdf5) is
+            one seeded, weighted mixture of them (`dlpipe.loading.mixing`: the config's
+            ``weights``, ``on_source_end``, ``epoch_samples`` and ``class_map`` say how), whose
+            batches are ``(images, labels, sources)``: ``sources`` an int64 tensor of each
+            sample's index in the list (``sources.bincount(minlength=len(path))`` counts
+            them; raw samples carry it as ``__source__``), the labels those of the first
+            dataset's classes (mapped by name).
         config: what the batches are (`LoaderConfig`: batch size, transform, image size,
             crop scale, shuffle, seed, drop_last; default ``LoaderConfig()``), resolved for
-            `split` once (``transform="auto"`` is ``"train"`` for the train split, else
-            ``"eval"``; ``shuffle`` and ``drop_last`` True for train, else False).
+            `split` and the dataset's task once (``transform="auto"`` is ``"train"`` for the
+            train split, else ``"eval"``; ``shuffle`` and ``drop_last`` True for train, else
+            False; an image size left None is the task's).
         workers: how they are made (`WorkerSettings`: worker count, prefetch, pinned memory,
             engine, where JPEGs decode, start method). ``"auto"`` uses the settings
             ``dlpipe bench-loader`` saved for this dataset, machine, split and config (the
@@ -307,7 +350,9 @@ def make_loader(
             names the new spelling.
 
     Raises:
-        LoaderConfigError: a config or worker field breaks its rule (named).
+        LoaderConfigError: a config or worker field breaks its rule (named); a transform that
+            is not a recipe of the dataset's task; ``decode="cuda"`` with a detection or
+            segmentation dataset.
         LoaderArgumentError: a keyword make_loader does not take, or one field given both in
             `config`/`workers` and as an old keyword (a TypeError too).
         DecodeDeviceError: ``decode="cuda"`` without a CUDA device.
@@ -316,11 +361,20 @@ def make_loader(
     given, (base, changes), notice = loader_arguments(config, workers, legacy)
     if notice is not None:
         _deprecated(notice)
-    config = (given or LoaderConfig()).resolved(split)
-    where = (path, split, config)
+    cache: dict[str, Any] = (
+        {"cache_dir": given.cache_dir, "cache_limit": given.cache_limit} if given else {}
+    )
+    if given is not None and given.dataset_version is not None:
+        cache["version"] = given.dataset_version
+    dataset = open_sources(
+        path, split, given or LoaderConfig(), rank=rank, world_size=world_size, **cache
+    )
+    task = recipe_task(dataset.manifest.task)
+    config = (given or LoaderConfig()).resolved(split, task)
+    where = (dataset.path, split, config, task)
     settings, origin = _worker_settings(base, profile, where, **changes)
-    dataset = open_dataset(path, split, rank=rank, world_size=world_size)
-    fn, stages = make_stages(settings, config, make_transform(config, dataset))
+    transform = tag_sources(dataset, make_transform(config, dataset))
+    fn, stages = make_stages(settings, config, transform)
     options: dict[str, Any] = settings.dataloader_options()
     if settings.num_workers > 0:
         options["worker_init_fn"] = _ignore_stop_signals

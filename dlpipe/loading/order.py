@@ -195,7 +195,7 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
 
     def indices(self, epoch: int, start: int = 0) -> np.ndarray:
         """This rank's sample indices for `epoch`, in order, after `start` global samples."""
-        order = _permutation(self.shuffle, self.seed, epoch, self.num_samples)[start:]
+        order = self.epoch_order(epoch, start)
         world, block = self.world_size, self.block
         rounds = len(order) // (block * world)  # whole rounds: every rank one full block
         dealt = order[: rounds * block * world].reshape(rounds, world, block)[:, self.rank]
@@ -206,6 +206,15 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
         else:
             tail = rest[self.rank * block : (self.rank + 1) * block]
         return np.concatenate([dealt.reshape(-1), tail])
+
+    def epoch_order(self, epoch: int, start: int) -> np.ndarray:
+        """Positions `start` onwards of `epoch`'s global sequence of indices (a subclass
+        deals another sequence: `dlpipe.loading.mixing.MixSampler`)."""
+        return _permutation(self.shuffle, self.seed, epoch, self.num_samples)[start:]
+
+    def next_epoch(self) -> None:
+        """Move to the start of the next epoch."""
+        self.epoch, self.start, self.drawn = self.epoch + 1, 0, 0
 
     def __len__(self) -> int:
         """This rank's samples per (whole) epoch, without drawing a permutation."""
@@ -222,7 +231,7 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
     def begin(self) -> None:
         """Fix the next pass: a loaded state, else the next epoch after one begun."""
         if not self.armed:
-            self.epoch, self.start, self.drawn = self.epoch + 1, 0, 0
+            self.next_epoch()
         self.armed = True
 
     def abandon(self) -> None:
@@ -232,7 +241,8 @@ class EpochSampler(torch.utils.data.Sampler[tuple[int, int]]):
     def finish(self) -> None:
         """The pass is over: the next one is the next epoch (no-op if already so)."""
         if not self.armed:
-            self.epoch, self.start, self.drawn, self.armed = self.epoch + 1, 0, 0, True
+            self.next_epoch()
+            self.armed = True
 
     def remaining(self) -> int:
         """This rank's indices left in the pass `begin` fixed."""

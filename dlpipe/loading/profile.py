@@ -11,8 +11,9 @@ run at batch 256, 160 px far better than the defaults do. The rule:
 1. the machine key must be equal (CPU count, GPU model, torch version): never another
    machine's profile;
 2. a profile that contradicts this machine (`contradiction`) is passed over, with a warning;
-3. a loader with an image transform (``"train"``/``"eval"``) may use a profile of either
-   image transform; one with raw samples or a custom transform only one of its own;
+3. a loader with a recipe (``"train"``, ``"eval"``, a detection policy) may use a profile of
+   any recipe (a profile lives beside its dataset: the recipes are its task's); one with raw
+   samples or a custom transform only one of its own;
 4. of those, the nearest wins, comparing in order: the same transform, the same decode
    device (when the caller asks for one), the same split, then the smallest
    ``|log2(batch ratio)| + |log2(image size ratio)| + |log2(crop scale ratio)|``;
@@ -35,6 +36,7 @@ SHA-256 of the dataset's absolute path or URL. Schema version 1::
          "machine": {"cpus": 16, "gpu": "NVIDIA H200", "torch": "2.4.0"},
          "loader": {"split": "train", "batch_size": 256, "transform": "train",
                     "image_size": 224, "min_crop_scale": 0.08},  # null unless "train"
+                    # image_size null: a detection loader keeping each image's size
          "created_by": "0.1.0"}
       ]
     }
@@ -64,6 +66,7 @@ from dlpipe.errors import DlpipeError
 from dlpipe.loading.config import (
     MAX_BATCH_SIZE,
     MAX_IMAGE_SIZE,
+    TRANSFORMS,
     LoaderConfig,
     LoaderConfigError,
     WorkerSettings,
@@ -177,17 +180,20 @@ def machine_key() -> dict[str, Any]:
     return {"cpus": usable_cpus(), "gpu": gpu_name(), "torch": torch.__version__.split("+")[0]}
 
 
-def loader_key(split: str, config: LoaderConfig) -> dict[str, Any]:
+def loader_key(split: str, config: LoaderConfig, task: str | None = None) -> dict[str, Any]:
     """What a profile's settings were measured for: the split and the parts of `config` that
     change the work per sample (the order and the seed do not; the crop scale only for the
-    ``"train"`` transform, None for the others)."""
-    transform = config.transform_name(split)
+    ``"train"`` transform, None for the others), `config` resolved for a dataset of `task`
+    (`LoaderConfig.resolved`: None is classification's defaults). The image size is None
+    for a detection loader that keeps each image's size."""
+    resolved = config.resolved(split, task)
+    transform = resolved.transform_name(split)
     return {
         "split": split,
-        "batch_size": config.batch_size,
+        "batch_size": resolved.batch_size,
         "transform": transform,
-        "image_size": config.image_size,
-        "min_crop_scale": float(config.min_crop_scale) if transform == "train" else None,
+        "image_size": resolved.image_size,
+        "min_crop_scale": float(resolved.min_crop_scale) if transform == "train" else None,
     }
 
 
@@ -253,19 +259,20 @@ def find_profile(
     split: str,
     config: LoaderConfig,
     strict: bool = True,
+    task: str | None = None,
 ) -> tuple[LoaderProfile, str] | None:
     """The saved profile for exactly this machine, split and loader config, and its file.
 
     Looks beside the dataset, then in the user cache; only an exact `machine_key` and
     `loader_key` match counts (`nearest_profile` is what loaders use). With ``strict=False``
     a malformed file is one warning on the ``dlpipe`` logger (naming it and the fix) and is
-    passed over.
+    passed over. `task`: the dataset's (`loader_key`).
 
     Raises:
         ProfileError: (``strict``) a profiles file there is malformed or of an unknown
             schema version.
     """
-    machine, loader = machine_key(), loader_key(split, config)
+    machine, loader = machine_key(), loader_key(split, config, task)
     for profile, source in _saved(os.fspath(dataset_path), strict=strict):
         if profile.matches(machine, loader):
             return profile, source
@@ -307,14 +314,16 @@ def nearest_profile(
     split: str,
     config: LoaderConfig,
     decode: str | None = None,
+    task: str | None = None,
 ) -> ProfileChoice | None:
     """The saved profile of this machine nearest to this loader (the module docstring's
     rule), or None when none may serve it. `decode` (``"cpu"``/``"cuda"``) prefers profiles
-    measured decoding there. A malformed profiles file is a warning naming it and the fix,
-    and is passed over, as is a profile that contradicts this machine.
+    measured decoding there; `task` is the dataset's (`loader_key`). A malformed profiles
+    file is a warning naming it and the fix, and is passed over, as is a profile that
+    contradicts this machine.
     """
     path = os.fspath(dataset_path)
-    machine, wanted = machine_key(), loader_key(split, config)
+    machine, wanted = machine_key(), loader_key(split, config, task)
     saved = _saved(path, strict=False)
     candidates = [
         (profile, source, index)
@@ -350,6 +359,7 @@ def select_profile(
     split: str,
     config: LoaderConfig,
     decode: str | None = None,
+    task: str | None = None,
 ) -> LoaderProfile | None:
     """`make_loader`'s ``profile=``: ``"auto"`` finds the nearest saved one
     (`nearest_profile`, logged at INFO with which and why), else as given.
@@ -361,7 +371,7 @@ def select_profile(
         return profile
     if profile != "auto":
         raise ProfileError(f"profile={profile!r}: pass 'auto', a LoaderProfile or None")
-    choice = nearest_profile(dataset_path, split=split, config=config, decode=decode)
+    choice = nearest_profile(dataset_path, split=split, config=config, decode=decode, task=task)
     if choice is None:
         log.debug(
             "no loader profile for %s on this machine; using default worker settings",
@@ -394,12 +404,13 @@ def _saved(path: str, *, strict: bool) -> list[tuple[LoaderProfile, str]]:
     return found
 
 
-_IMAGE_TRANSFORMS = ("train", "eval")
+_IMAGE_TRANSFORMS = TRANSFORMS[1:]  # the recipes: a profile is kept beside its dataset
 
 
 def _may_serve(measured: dict[str, Any], wanted: dict[str, Any]) -> bool:
     """Whether a profile measured for loader key `measured` may serve `wanted`: either image
-    transform serves an image transform; raw samples or a custom transform only its own."""
+    recipe serves a recipe (of the dataset's task: profiles live beside their dataset); raw
+    samples or a custom transform only its own."""
     image = measured["transform"] in _IMAGE_TRANSFORMS and wanted["transform"] in _IMAGE_TRANSFORMS
     return image or measured["transform"] == wanted["transform"]
 
@@ -425,7 +436,8 @@ def _distance(
 def _describe(key: dict[str, Any], other: dict[str, Any]) -> str:
     """``batch 64, 224 px``, and the transform, crop scale and split where they differ from
     `other`'s."""
-    parts = [f"batch {key['batch_size']}", f"{key['image_size']} px"]
+    size = key["image_size"]
+    parts = [f"batch {key['batch_size']}", "own sizes" if size is None else f"{size} px"]
     if key["transform"] != other["transform"]:
         parts.append(f"{key['transform']} transform")
     if key["min_crop_scale"] != other["min_crop_scale"] and key["min_crop_scale"] is not None:
@@ -551,6 +563,8 @@ def _loader_keyed(value: Any) -> dict[str, Any]:
         _text(key[name], f"loader {name}")
     for name, most in (("batch_size", MAX_BATCH_SIZE), ("image_size", MAX_IMAGE_SIZE)):
         number = key[name]  # what a LoaderConfig may hold: the nearest rule divides them
+        if number is None and name == "image_size":
+            continue  # a detection loader that keeps each image's size
         if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= most:
             shown = f"{number!r}" if len(repr(number)) < 40 else f"{repr(number)[:37]}..."
             raise ProfileError(f"loader {name} {shown} is not an integer in 1..{most}")

@@ -1,6 +1,7 @@
 """What runs between a loader's DataLoader and its caller: `Stages`, built from the worker
 settings by `make_stages` (the thread engine, `dlpipe.loading.threads`; the GPU decode,
-`dlpipe.loading.device_decode`; the collate that makes a batch of finished samples)."""
+`dlpipe.loading.device_decode`; the collate that makes a batch of finished samples: its task's,
+`dlpipe.loading.task_collate`, for a detection or segmentation recipe)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from dlpipe.loading.device_decode import (
     collate_planned,
     decode_device,
 )
+from dlpipe.loading.task_collate import task_collate
+from dlpipe.loading.task_transforms import TaskTransform
 from dlpipe.loading.threads import ThreadEngine, collate_pending
 from dlpipe.loading.transforms import ImageTransform
 from dlpipe.loading.views import collate
@@ -46,15 +49,31 @@ class Stages:
 
 
 def make_stages(settings: WorkerSettings, config: LoaderConfig, fn: Any) -> tuple[Any, Stages]:
-    """The per-sample function the view runs and the stages after the DataLoader."""
+    """The per-sample function the view runs and the stages after the DataLoader; a
+    detection or segmentation recipe's samples collate in torchvision's conventions
+    (`dlpipe.loading.task_collate`).
+
+    Raises:
+        LoaderConfigError: ``decode="cuda"`` with anything but a classification recipe.
+    """
     final: Callable[[list[Any]], Any] = collate
+    if isinstance(fn, TaskTransform):
+        final = task_collate(fn.spec.task)
     device = None
     if settings.decode == "cuda":
+        if isinstance(fn, TaskTransform):
+            raise LoaderConfigError(
+                f"decode='cuda' with a {fn.spec.task} dataset: the GPU decodes the "
+                "classification transforms only (no boxes or masks); pass decode='cpu' (with "
+                "workers={'decode': 'cpu'})"
+            )
         if not isinstance(fn, ImageTransform):
             raise LoaderConfigError(
                 f"decode='cuda' with transform={config.transform!r}: the GPU decodes the image "
-                "transforms only; pass transform 'train' or 'eval', or decode='cpu'"
+                "transforms of one dataset only; pass transform 'train' or 'eval', or "
+                "decode='cpu' (always, for a mixture of datasets)"
             )
+        assert config.image_size is not None  # a classification loader's is resolved
         device = DeviceDecoder(decode_device(), config.image_size)
         fn, final = PlannedTransform(fn), collate_planned
     if not settings.threads:

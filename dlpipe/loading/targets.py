@@ -25,6 +25,7 @@ within the slack is clamped onto the image (convert kept it as the annotation to
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -286,6 +287,8 @@ def _check_values(array: np.ndarray, allowed: frozenset[int], ignore: int | None
     low, high = int(array.min()), int(array.max())
     if low < 0 or high > max(allowed, default=-1):
         unknown = [low if low < 0 else high]
+    elif _within_runs(array, _runs(allowed)):
+        return
     else:
         present = np.flatnonzero(np.bincount(array.ravel().astype(np.int64)))
         unknown = sorted(set(present.tolist()) - allowed)
@@ -295,3 +298,30 @@ def _check_values(array: np.ndarray, allowed: frozenset[int], ignore: int | None
             f"the label map holds value {unknown[0]}, which is not one of the schema's "
             f"{len(allowed) - (ignore is not None)} class values{rule}"
         )
+
+
+_MAX_RUNS = 8  # past this many runs of values, counting them all is as quick
+
+
+@functools.lru_cache(maxsize=64)
+def _runs(allowed: frozenset[int]) -> tuple[tuple[int, int], ...]:
+    """`allowed` as its runs of consecutive values, (first, last) each (VOC: 0-20, 255)."""
+    runs: list[list[int]] = []
+    for value in sorted(allowed):
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return tuple((first, last) for first, last in runs)
+
+
+def _within_runs(array: np.ndarray, runs: tuple[tuple[int, int], ...]) -> bool:
+    """Whether every value of `array` lies in one of `runs` (False: not checked this way, or
+    not): a few vector comparisons, where counting values is slow on a map that is mostly one
+    value (every count lands on one counter)."""
+    if len(runs) > _MAX_RUNS:
+        return False
+    inside = np.zeros(array.shape, bool)
+    for first, last in runs:
+        inside |= (array >= first) & (array <= last)
+    return bool(inside.all())

@@ -4,9 +4,12 @@
   has one size (a recipe with an ``image_size``), else the list of the N uint8 (3, H_i, W_i)
   images (what torchvision's detection models take); ``targets`` the list of the N target
   dicts (`dlpipe.loading.targets`), as they are.
-- segmentation: ``(images, masks)``: uint8 (N, 3, H, W) and int64 (N, H, W) (what
-  ``CrossEntropyLoss(ignore_index=...)`` takes); every sample of a batch has one size (the
-  train crop, the eval resize), else a `BatchShapeError` naming the sizes.
+- segmentation: ``(images, masks)``: uint8 (N, 3, H, W) and the label maps' values as
+  they are, uint8 (N, H, W) (int64 where a map holds values past 255), the ignore value kept;
+  ``CrossEntropyLoss(ignore_index=...)`` takes int64, so the trainer casts on the device
+  (``masks.long()``): an int64 batch is 8 times the bytes to make, move between processes
+  and copy to the device. Every sample of a batch has one size (the train crop, the eval
+  resize), else a `BatchShapeError` naming the sizes.
 
 Images are stacked as `dlpipe.loading.views.stack_in_memory_order` stacks classification
 crops: channels-last samples make a channels-last batch, into shared memory in a worker.
@@ -44,7 +47,8 @@ def collate_detection(
 def collate_segmentation(
     batch: Sequence[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(image, mask) pairs → (uint8 (N, 3, H, W), int64 (N, H, W)).
+    """(image, mask) pairs → (uint8 (N, 3, H, W), uint8 (N, H, W) masks, int64 when a
+    mask of the batch is).
 
     Raises:
         BatchShapeError: the samples differ in size (naming the sizes).
@@ -56,7 +60,9 @@ def collate_segmentation(
             "use a recipe that crops or resizes (train, eval) with an image_size"
         )
     images = stack_in_memory_order([image for image, _ in batch])
-    masks = [mask.as_subclass(torch.Tensor).to(torch.int64) for _, mask in batch]
+    masks = [mask.as_subclass(torch.Tensor) for _, mask in batch]
+    if len({mask.dtype for mask in masks}) > 1:
+        masks = [mask.to(torch.int64) for mask in masks]
     return images, stack_in_memory_order(masks)
 
 

@@ -29,12 +29,14 @@ masks in any worker, process or thread, and the caller's random stream is untouc
 makes the thread engine run the joint ops of its samples one at a time (the decode runs
 outside it); DataLoader worker processes never wait on it.
 
-**Crop-aware decode** is not done here: the whole image is decoded. It applies to the
-segmentation train crop (RandomResize's size and RandomCrop's box depend only on the image
-size, which the header gives, so the source region a crop needs is known before decoding) and
-to the detection ``ssdlite`` crop (RandomIoUCrop's box depends on the image size and the
-boxes, both known before decoding); it does not apply to ``ssd``, whose zoom-out pads before
-the crop, or to ``hflip`` and ``eval``, which keep every pixel.
+**Crop-aware decode** is not done here: the whole image is decoded (`TaskTransform.decode`),
+and ``bench-loader``'s verdict says so (`dlpipe.loading.verdicts.crop_verdict`). The
+segmentation train crop's source region is known before decoding (RandomResize's size and
+RandomCrop's box depend only on the image size, which the header gives), but its pixels are the
+whole image's resize cut, and a region decoded alone and resized samples another grid: not the
+same pixels. The detection ``ssdlite`` crop (RandomIoUCrop) is drawn inside torchvision's op,
+from the boxes as well (drawing it before the decode is not done yet); ``ssd`` zooms out (pads)
+before it, and ``hflip`` and ``eval`` keep every pixel.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from torchvision.transforms import v2
 
 from dlpipe.codecs import max_image_pixels
 from dlpipe.errors import FieldDecodeError
+from dlpipe.loading.config import TASK_RECIPES
 from dlpipe.loading.targets import TargetSpec
 from dlpipe.loading.transforms import decode_rgb, image_field
 from dlpipe.manifest import Manifest
@@ -66,11 +69,9 @@ __all__ = [
     "segmentation_ops",
 ]
 
-RECIPES = {
-    "detection": ("train", "hflip", "ssd", "ssdlite", "eval"),
-    "segmentation": ("train", "eval"),
-}
-"""The recipes of each task; detection's ``train`` is ``hflip`` (torchvision's default)."""
+RECIPES = TASK_RECIPES
+"""The recipes of each task (`dlpipe.loading.config.TASK_RECIPES`, where `LoaderConfig` checks a
+name); detection's ``train`` is ``hflip`` (torchvision's default)."""
 DETECTION_MEAN = (123, 117, 104)
 """The zoom-out fill of the ``ssd`` policy (the reference's mean, in uint8 levels)."""
 _BASE_OVER_CROP = 520 / 480  # the segmentation references' base_size / crop_size
@@ -231,6 +232,15 @@ class TaskTransform:
             FieldDecodeError: the image does not decode (naming the sample and field).
             TargetError: the annotation makes no valid target (`dlpipe.loading.targets`).
         """
+        image, target = self.apply(*self.decode(sample, index), self.rng_seed(epoch, index))
+        return image.as_subclass(torch.Tensor), target
+
+    def decode(self, sample: Sample, index: int = 0) -> tuple[tv_tensors.Image, Any]:
+        """The sample's whole image and its target, before the recipe's ops.
+
+        Raises:
+            FieldDecodeError, TargetError: as `__call__`.
+        """
         data = bytes(sample[self.field])  # type: ignore[arg-type]
         try:
             image = decode_rgb(data, self.max_pixels)
@@ -238,16 +248,22 @@ class TaskTransform:
             key = sample.get(KEY_FIELD, "?")
             raise type(exc)(f"sample {key!r} field {self.field!r}: {exc}") from None
         target = self.spec.target(sample, (image.shape[-2], image.shape[-1]), index)
-        image, target = self.apply(tv_tensors.Image(image), target, self.rng_seed(epoch, index))
-        return image.as_subclass(torch.Tensor), target
+        return tv_tensors.Image(image), target
 
     def apply(self, image: tv_tensors.Image, target: Any, rng_seed: int) -> tuple[Any, Any]:
         """The recipe's ops on (image, target), torch's generator seeded with `rng_seed`."""
         pair = (image, target)
-        with _RNG_LOCK, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rng_seed)
-            for op in self.ops():
-                pair = op(pair)
+        generator = torch.default_generator  # v2 ops draw from it, and from no device's
+        with _RNG_LOCK:
+            caller_state = generator.get_state()
+            try:
+                # not torch.manual_seed: it seeds every device's generator too (on a machine
+                # without CUDA set up, formatting a stack each time: 0.2-0.6 ms a sample)
+                generator.manual_seed(rng_seed)
+                for op in self.ops():
+                    pair = op(pair)
+            finally:
+                generator.set_state(caller_state)
         return pair
 
     def __repr__(self) -> str:

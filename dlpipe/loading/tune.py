@@ -56,7 +56,7 @@ import torch
 from dlpipe._version import __version__
 from dlpipe.errors import SplitTooSmallError
 from dlpipe.jpeg_seek import restart_layout
-from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings
+from dlpipe.loading.config import LoaderConfig, LoaderConfigError, WorkerSettings, recipe_task
 from dlpipe.loading.dataset import MapDataset, StreamDataset, open_dataset
 from dlpipe.loading.profile import (
     LoaderProfile,
@@ -66,9 +66,11 @@ from dlpipe.loading.profile import (
     nearest_profile,
     save_profile,
 )
+from dlpipe.loading.task_collate import task_collate
+from dlpipe.loading.task_transforms import TaskTransform
 from dlpipe.loading.threads import one_torch_thread
 from dlpipe.loading.transforms import ImageTransform, decode_rgb, image_field
-from dlpipe.loading.verdicts import decode_verdict, verdict
+from dlpipe.loading.verdicts import crop_verdict, decode_verdict, verdict
 from dlpipe.loading.views import collate as collate_batch
 from dlpipe.machine import (
     available_memory,
@@ -77,6 +79,7 @@ from dlpipe.machine import (
     usable_cpus,
     worker_limit,
 )
+from dlpipe.manifest import read_manifest
 
 __all__ = [
     "BenchConfig",
@@ -100,11 +103,13 @@ class BenchConfig:
 
     Attributes:
         path, split: the dataset and split.
-        loader: the loader config measured (resolved for `split` here); its transform must
-            be an image transform (``"auto"``, ``"train"`` or ``"eval"``).
+        loader: the loader config measured (resolved here for `split` and the dataset's
+            task, read from its manifest); its transform must be a recipe of the task
+            (``"auto"``, ``"train"``, ``"eval"``, a detection policy).
         budget_s: seconds for the whole search.
         max_workers: the largest ``num_workers`` tried (default: 2 x the usable cores).
-        device: ``"cuda"`` also tries ``pin_memory``.
+        device: ``"cuda"`` also tries ``pin_memory`` (and, for classification, GPU decode).
+        task: the task whose recipes the dataset has (`recipe_task`), set from its manifest.
     """
 
     path: str
@@ -113,15 +118,18 @@ class BenchConfig:
     budget_s: float = 60.0
     max_workers: int | None = None
     device: str = "cpu"
+    task: str = field(init=False, default="classification")
 
     def __post_init__(self) -> None:
-        resolved = self.loader.resolved(self.split)
-        if resolved.transform not in ("train", "eval"):
+        task = recipe_task(read_manifest(self.path).task)
+        resolved = self.loader.resolved(self.split, task)
+        if not isinstance(resolved.transform, str):
             raise LoaderConfigError(
-                f"transform={self.loader.transform!r}: bench-loader measures the image "
-                "transforms only; pass transform 'auto', 'train' or 'eval'"
+                f"transform={self.loader.transform!r}: bench-loader measures the recipes "
+                "only; pass transform 'auto', 'train', 'eval' or another recipe of the task"
             )
         object.__setattr__(self, "loader", resolved)
+        object.__setattr__(self, "task", task)
 
     def worker_limit(self) -> int:
         return self.max_workers if self.max_workers is not None else 2 * usable_cpus()
@@ -137,6 +145,7 @@ class StageRates:
     collate: float
     read_mb_per_s: float
     crop_decode: bool = False  # the train recipe's crop-aware decode was measured
+    recipe: str = ""  # ``detection ssd``, ``segmentation train``: a task recipe measured
     seekable_share: float = 0.0  # of the measured images: seekable JPEGs (`dlpipe.jpeg_seek`)
 
     def costs(self) -> dict[str, float]:
@@ -222,20 +231,26 @@ def measure_stages(
     config: BenchConfig, seconds: float = 2.0, dataset: MapDataset | StreamDataset | None = None
 ) -> StageRates:
     """One process, stage by stage, on the first samples of the split (`dataset`, if it is
-    open already), with the transform the loader builds from the config."""
+    open already), with the transform the loader builds from the config. A detection or
+    segmentation recipe's decode includes its targets' (`TaskTransform.decode`), its
+    transform is the joint ops on both."""
     from dlpipe.loading.loader import make_transform
 
     batch_size = config.loader.batch_size
     if dataset is None:
         dataset = open_dataset(config.path, config.split, rank=0, world_size=1)
     transform = make_transform(config.loader, dataset)
-    assert isinstance(transform, ImageTransform)  # BenchConfig admits image transforms only
     samples, read_s = _clock(iter(dataset), seconds, minimum=batch_size)
     field_name = image_field(list(dataset.manifest.fields))
     nbytes = sum(len(s[field_name]) for s in samples)
     datas = [bytes(s[field_name]) for s in samples]
     with one_torch_thread():  # what a DataLoader worker gets
-        decode_s, transform_s, collate_s = _time_stages(transform, datas, batch_size)
+        if isinstance(transform, TaskTransform):
+            times = _time_task_stages(transform, samples, batch_size)
+        else:
+            assert isinstance(transform, ImageTransform)  # BenchConfig admits recipes only
+            times = _time_stages(transform, datas, batch_size)
+    decode_s, transform_s, collate_s = times
     dataset.close()
     cumulative, rates = 0.0, []
     for step in (read_s, decode_s, transform_s, collate_s):
@@ -248,7 +263,12 @@ def measure_stages(
         transform=transform_rate,
         collate=collate,
         read_mb_per_s=nbytes / 1e6 / max(read_s, 1e-9),
-        crop_decode=transform.recipe == "train" and transform.decode == "crop",
+        crop_decode=isinstance(transform, ImageTransform)
+        and transform.recipe == "train"
+        and transform.decode == "crop",
+        recipe=f"{transform.spec.task} {transform.recipe}"
+        if isinstance(transform, TaskTransform)
+        else "",
         seekable_share=sum(restart_layout(d) is not None for d in datas) / max(len(datas), 1),
     )
 
@@ -277,6 +297,24 @@ def _time_stages(
     start = time.perf_counter()
     for i in range(0, len(crops) - batch_size + 1, batch_size):
         collate_batch(crops[i : i + batch_size])
+    return decode_s, transform_s, time.perf_counter() - start
+
+
+def _time_task_stages(
+    transform: TaskTransform, samples: list[Any], batch_size: int
+) -> tuple[float, float, float]:
+    """Seconds to decode `samples`' images and targets, run the recipe's joint ops on them
+    and collate them in batches (`task_collate`), each stage on the last one's output."""
+    start = time.perf_counter()
+    decoded = [transform.decode(s, i) for i, s in enumerate(samples)]
+    decode_s = time.perf_counter() - start
+    start = time.perf_counter()
+    pairs = [transform.apply(*d, transform.rng_seed(0, i)) for i, d in enumerate(decoded)]
+    transform_s = time.perf_counter() - start
+    start = time.perf_counter()
+    collate = task_collate(transform.spec.task)
+    for i in range(0, len(pairs) - batch_size + 1, batch_size):
+        collate(pairs[i : i + batch_size])
     return decode_s, transform_s, time.perf_counter() - start
 
 
@@ -411,7 +449,8 @@ def search(
     limit = config.worker_limit()
     counts = _worker_counts(limit, cores)
     gpu = config.device == "cuda" and torch.cuda.is_available()
-    last = len(_PREFETCHES) + 2 * gpu  # the trials after the climbs
+    gpu_decode = gpu and config.task == "classification"  # the GPU decodes its recipes only
+    last = len(_PREFETCHES) + gpu + gpu_decode  # the trials after the climbs
 
     def run(trial: Trial, seconds: float) -> Trial:
         nonlocal per_worker
@@ -461,8 +500,9 @@ def search(
             best = trial
     if gpu:  # run even when the time is spent: what decides CPU against GPU decode
         pinned = best.settings.replace(pin_memory=True)
-        run(Trial(pinned), budget.window(2))
-        run(Trial(pinned.replace(decode="cuda")), budget.window(1))
+        run(Trial(pinned), budget.window(1 + gpu_decode))
+        if gpu_decode:
+            run(Trial(pinned.replace(decode="cuda")), budget.window(1))
     return trials
 
 
@@ -535,7 +575,7 @@ def bench_loader(
     report.bottleneck, report.advice = verdict(
         stages, report.best, usable_cpus(), config.loader.image_size
     )
-    report.advice += decode_verdict(report.trials)
+    report.advice += decode_verdict(report.trials) + crop_verdict(stages.recipe)
     return report
 
 
@@ -551,7 +591,7 @@ def save_winner(report: BenchReport) -> str:
         settings=best.settings,
         samples_per_s=best.samples_per_s,
         machine=machine_key(),
-        loader=loader_key(cfg.split, cfg.loader),
+        loader=loader_key(cfg.split, cfg.loader, cfg.task),
         created_by=__version__,
     )
     return save_profile(cfg.path, profile)
@@ -633,7 +673,7 @@ def tune_now(
         settings=best.settings,
         samples_per_s=best.samples_per_s,
         machine=machine_key(),
-        loader=loader_key(split, bench.loader),
+        loader=loader_key(split, bench.loader, bench.task),
         created_by=__version__,
     )
     try:
@@ -670,7 +710,8 @@ def training_profile(
         decode: ``"cpu"``/``"cuda"`` when the run asks for one: profiles measured decoding
             there are preferred.
     """
-    choice = nearest_profile(path, split=split, config=loader, decode=decode)
+    task = recipe_task(read_manifest(path).task)
+    choice = nearest_profile(path, split=split, config=loader, decode=decode, task=task)
     if choice is not None:
         return choice.profile, choice.reason()
     if not tune:

@@ -10,7 +10,28 @@ from dlpipe.turbojpeg import INSTALL_HINT, region_library
 if TYPE_CHECKING:  # tune builds these and imports this module
     from dlpipe.loading.tune import StageRates, Trial
 
-__all__ = ["decode_verdict", "verdict"]
+__all__ = ["crop_verdict", "decode_verdict", "verdict"]
+
+# why each detection and segmentation recipe decodes the whole image
+_WHOLE_DECODE = {
+    "segmentation train": "its random resize scales the whole image before the crop, so a "
+    "region decoded alone and resized would not give the same pixels",
+    "detection ssdlite": "its IoU crop is drawn inside torchvision's op, from the boxes; "
+    "dlpipe does not draw it before the decode yet",
+    "detection ssd": "its zoom-out pads the image before the crop",
+}
+
+
+def crop_verdict(recipe: str) -> str:
+    """Whether crop-aware decode applies to a detection or segmentation `recipe` (``"task
+    recipe"``; empty for classification's, whose train crop decodes only its box)."""
+    if not recipe:
+        return ""
+    why = _WHOLE_DECODE.get(recipe, "it keeps every pixel of the image")
+    return (
+        f"; crop-aware decode does not apply to the {recipe} recipe ({why}): the whole "
+        "image is decoded"
+    )
 
 
 def decode_verdict(trials: list[Trial]) -> str:
@@ -29,8 +50,8 @@ def decode_verdict(trials: list[Trial]) -> str:
     )
 
 
-def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tuple[str, str]:
-    """(bottleneck, advice in plain words)."""
+def verdict(stages: StageRates, best: Trial, cores: int, image_size: int | None) -> tuple[str, str]:
+    """(bottleneck, advice in plain words); `image_size` None: images keep their sizes."""
     costs = stages.costs()
     total = sum(costs.values())
     stage = max(costs, key=lambda k: costs[k])
@@ -46,7 +67,7 @@ def verdict(stages: StageRates, best: Trial, cores: int, image_size: int) -> tup
     elif stage == "decode":
         advice = (
             f"decode-bound: decoding is {share:.0f}% of the per-sample time; re-convert "
-            f"with --max-side {max(2 * image_size, 160)} to store smaller images"
+            f"with --max-side {max(2 * (image_size or 400), 160)} to store smaller images"
         )
         if stages.crop_decode and region_library() is None:
             advice += f", or {INSTALL_HINT}"

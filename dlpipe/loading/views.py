@@ -4,8 +4,11 @@
 - `StreamView` (wds): each worker reads its stretch of whole batches along `StreamOrder` and
   sends them collated, each with the runs of stream positions it holds, which the loader
   counts into its state when the caller gets the batch.
+- `MixView` (a mixture of lmdb/hdf5 datasets, `dlpipe.loading.mix_sources.MixedDataset`):
+  ``view[(epoch, code)]``, the codes drawn by `MixSampler`; its transform is a `MixTransform`
+  (`tag_sources`), which maps the label onto the mixture's classes and appends the source.
 
-Either way the DataLoader yields `Piece` s (a batch and its runs; a map-style batch has none),
+Each way, the DataLoader yields `Piece` s (a batch and its runs; a map-style batch has none),
 and `plan_view` pairs a dataset with its view, its order (`PassOrder`) and the DataLoader
 options that order needs: one function per kind of dataset, in `VIEW_PLANS`.
 
@@ -24,6 +27,8 @@ import torch
 import torch.utils.data
 
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, StreamDataset
+from dlpipe.loading.mix_sources import MixedDataset
+from dlpipe.loading.mixing import SOURCE_FIELD, MixSampler
 from dlpipe.loading.order import (
     EpochSampler,
     PassOrder,
@@ -43,6 +48,9 @@ from dlpipe.sample import KEY_FIELD, Sample
 __all__ = [
     "VIEW_PLANS",
     "MapView",
+    "MixTransform",
+    "MixView",
+    "Opened",
     "Piece",
     "PieceCollate",
     "StreamView",
@@ -52,6 +60,7 @@ __all__ = [
     "memory_order",
     "plan_view",
     "stack_in_memory_order",
+    "tag_sources",
 ]
 
 
@@ -66,7 +75,60 @@ class MapView(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, int]) -> Any:
         epoch, index = item
+        self.dataset.readers.reading(epoch, index)  # a remote dataset's cache plans from it
         return apply_transform(self.transform, self.dataset[index], epoch, index)
+
+
+Opened = PreparedDataset | MixedDataset
+"""What a loader reads: one opened split, or a mixture of several."""
+
+
+class MixView(torch.utils.data.Dataset):
+    """``ds[(epoch, code)]`` → a mixture's transformed sample (`MixSampler`'s code names the
+    source, the sample and the draw, which seeds augmentation)."""
+
+    def __init__(self, dataset: MixedDataset, transform: Callable[..., Any] | None) -> None:
+        self.dataset, self.transform = dataset, transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        epoch, code = item
+        return apply_transform(self.transform, self.dataset[code], epoch, code)
+
+
+class MixTransform:
+    """A mixture's per-sample transform: `inner`'s output with the sample's source index
+    appended (``(image, label)`` → ``(image, label, source)``; any other output ``x`` →
+    ``(x, source)``), its class label mapped onto the mixture's classes by `labels`.
+
+    Args:
+        inner: the loader's transform (seeded by position or not).
+        labels: per source, its label index → the mixture's; None: unchanged.
+    """
+
+    seeded_by_position = True
+
+    def __init__(self, inner: Callable[..., Any], labels: list[Any] | None) -> None:
+        self.inner, self.labels = inner, labels
+
+    def __call__(self, sample: Sample, epoch: int = 0, index: int = 0) -> Any:
+        source = int(sample[SOURCE_FIELD])
+        out = apply_transform(self.inner, sample, epoch, index)
+        if not isinstance(out, tuple):
+            return out, source
+        if self.labels is not None and len(out) == 2 and isinstance(out[1], int) and out[1] >= 0:
+            out = (out[0], int(self.labels[source][out[1]]))
+        return (*out, source)
+
+
+def tag_sources(dataset: Opened, transform: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """`transform` as a loader over `dataset` runs it: over a mixture, a `MixTransform`
+    (raw samples, `transform` None, keep their ``__source__`` field instead)."""
+    if not isinstance(dataset, MixedDataset) or transform is None:
+        return transform
+    return MixTransform(transform, dataset.labels)
 
 
 class Piece(NamedTuple):
@@ -122,6 +184,7 @@ class StreamView(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Piece]:
         epoch = self.order.take(worker_part()[1])
         segments = self.order.segments(epoch, self.order.worker_runs())
+        self.dataset.readers.reading_segments(self.order, segments, epoch)  # remote: plans
         size = self.order.batch_size
         batch: list[Any] = []
         positions: list[int] = []
@@ -198,10 +261,24 @@ class ViewPlan(NamedTuple):
     """What a loader iterates: the view its DataLoader runs (of `dataset`), the order that
     passes over it and the DataLoader options they need (sampler, batching, collate)."""
 
-    dataset: PreparedDataset
+    dataset: Opened
     view: torch.utils.data.Dataset[Any]
     order: PassOrder
     options: dict[str, Any]
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What a loader's state names as its data (checked before its order's fields): the
+        sha256 of the manifest of the dataset version read (`Manifest.at_version`), that
+        version and the split; a mixture's order names its sources itself."""
+        if isinstance(self.dataset, MixedDataset):
+            return self.dataset.identity()
+        manifest = self.dataset.manifest
+        return {
+            "dataset": manifest.version_sha256 or self.dataset.stamp.sha256,
+            "dataset_version": manifest.version,
+            "split": self.dataset.split,
+        }
 
 
 Transform = Callable[..., Any] | None
@@ -215,6 +292,7 @@ def _map_plan(
     them, ``batch_size`` a block."""
     block = placement.pop("batch_size")
     sampler = EpochSampler(len(dataset), block=block, **placement)
+    dataset.readers.follow(sampler)  # a remote dataset's cache plans each worker's reads
     options = sampler.dataloader_options() | {"collate_fn": PieceCollate(collate_fn)}
     return ViewPlan(dataset, MapView(dataset, transform), sampler, options)
 
@@ -224,18 +302,42 @@ def _stream_plan(
 ) -> ViewPlan:
     """wds: each reader follows the `StreamOrder` and sends its own collated batches."""
     view = StreamView.build(dataset, transform, collate_fn=collate_fn, **placement)
-    return ViewPlan(dataset, view, view.order, view.order.dataloader_options())
+    options = view.order.dataloader_options() | {"collate_fn": sent_as_is}
+    return ViewPlan(dataset, view, view.order, options)
 
 
-VIEW_PLANS: dict[type[PreparedDataset], Callable[..., ViewPlan]] = {
+def sent_as_is(piece: Piece) -> Piece:
+    """A reader's `Piece`, as it sent it: without a batch size the DataLoader would apply
+    torch's ``default_convert``, which turns every plain tuple in it into a list (the
+    ``(images, labels)`` batch too)."""
+    return piece
+
+
+def _mix_plan(
+    dataset: MixedDataset, transform: Transform, collate_fn: Collate, **placement: Any
+) -> ViewPlan:
+    """Several lmdb/hdf5 sources: the main process draws the mixture's codes (`MixSampler`),
+    the DataLoader batches them, ``batch_size`` a block."""
+    block = placement.pop("batch_size")
+    sampler = MixSampler(dataset.mixture, block=block, **placement)
+    options = sampler.dataloader_options() | {"collate_fn": PieceCollate(collate_fn)}
+    return ViewPlan(dataset, MixView(dataset, transform), sampler, options)
+
+
+VIEW_PLANS: dict[type, Callable[..., ViewPlan]] = {
     MapDataset: _map_plan,
     StreamDataset: _stream_plan,
+    MixedDataset: _mix_plan,
 }
 """Each kind of dataset `open_dataset` makes → the function that plans its view and order."""
 
 
 def plan_view(
-    dataset: PreparedDataset, transform: Transform, *, collate_fn: Collate, **placement: Any
+    dataset: Opened,
+    transform: Transform,
+    *,
+    collate_fn: Collate,
+    **placement: Any,
 ) -> ViewPlan:
     """The view, order and DataLoader options of a loader over `dataset` (`VIEW_PLANS`).
 

@@ -1,0 +1,304 @@
+"""A mixture's sources, opened and checked: `open_sources` reads `make_loader`'s first
+argument (one path: `open_dataset`; a list: a `MixedDataset`) and checks the mixing fields of
+`LoaderConfig` against the sources (`dlpipe.loading.mixing` holds the order and its state).
+
+Sources are local random-access datasets (lmdb, hdf5) of one task (classification, or
+unlabelled) with one image field: a streaming (wds) source, a URL or a detection or
+segmentation dataset is one `LoaderConfigError` naming it and the fix.
+
+Class spaces: the mixture's classes are the first source's. Another source's classes map onto
+them by name, so sources with the same class names mix as they are, in any order; a source with
+a class the first lacks needs ``class_map`` (``{"1": {"kitty": "cat"}}``: the source's index or
+its path as given, then its class name to one of the first source's; several may map to one),
+else one `LoaderConfigError` names the classes. The labels are mapped in the loader's
+transform (`dlpipe.loading.views.MixTransform`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from dlpipe import storage
+from dlpipe.loading.config import LoaderConfig, LoaderConfigError
+from dlpipe.loading.dataset import MapDataset, PreparedDataset, open_dataset
+from dlpipe.loading.mixing import (
+    MAX_EPOCH_SAMPLES,
+    MIX_RULES,
+    SOURCE_FIELD,
+    Mixture,
+    SourceIdentity,
+    checked_weights,
+)
+from dlpipe.loading.state import is_int, shown
+from dlpipe.loading.transforms import image_field
+from dlpipe.manifest import Manifest
+
+__all__ = ["MixedDataset", "class_maps", "open_sources", "several_paths"]
+
+
+class MixedDataset(torch.utils.data.Dataset):
+    """The opened sources of a mixture, read by global code (`MixSampler`'s).
+
+    Attributes:
+        sources: each source's split, in the order given.
+        mixture: the checked weights, rule and epoch length.
+        classes: the mixture's class names (the first source's).
+        labels: per source, its label index → the mixture's (None: the same indices).
+    """
+
+    def __init__(
+        self,
+        sources: list[MapDataset],
+        mixture: Mixture,
+        classes: tuple[str, ...],
+        labels: list[np.ndarray] | None,
+    ) -> None:
+        self.sources, self.mixture, self.classes, self.labels = sources, mixture, classes, labels
+        self.offsets = list(itertools.accumulate((len(s) for s in sources), initial=0))
+        self.split, self.rank, self.world_size = (
+            sources[0].split,
+            sources[0].rank,
+            sources[0].world_size,
+        )
+
+    @property
+    def path(self) -> str:
+        """The first source's path (where a saved loader profile is looked up)."""
+        return self.sources[0].path
+
+    @property
+    def manifest(self) -> Manifest:
+        """The first source's manifest (its fields name the image field)."""
+        return self.sources[0].manifest
+
+    def identity(self) -> dict[str, Any]:
+        """What a loader state names as its dataset: a mixture (its order checks the
+        sources, naming them), and the split."""
+        return {"dataset": "mixture", "split": self.split}
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def locate(self, code: int) -> tuple[int, int]:
+        """(source, index in it) of a `MixSampler` code."""
+        at = code % len(self)
+        source = bisect.bisect_right(self.offsets, at) - 1
+        return source, at - self.offsets[source]
+
+    def __getitem__(self, code: int) -> Any:
+        source, index = self.locate(code)
+        return {**self.sources[source][index], SOURCE_FIELD: source}
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
+
+def several_paths(path: Any) -> bool:
+    """Whether `path` (make_loader's first argument) names several datasets."""
+    return isinstance(path, Sequence) and not isinstance(path, str | bytes)
+
+
+def open_sources(
+    path: Any,
+    split: str,
+    config: LoaderConfig,
+    *,
+    rank: int | None,
+    world_size: int | None,
+    **reading: Any,
+) -> PreparedDataset | MixedDataset:
+    """`path`'s split opened (`open_dataset`, with `reading`: its cache and version), or a
+    list of paths as one `MixedDataset`, with `config`'s mixing fields checked against the
+    sources.
+
+    Raises:
+        LoaderConfigError: a mixing field given for one dataset, a streaming (wds) source,
+            bad weights, an epoch length or rule, or class spaces that do not map (named).
+    """
+    if not several_paths(path):
+        _refuse_mixing_fields(config)
+        return open_dataset(path, split, rank=rank, world_size=world_size, **reading)
+    if not path:
+        raise LoaderConfigError("path=[] names no dataset; pass one path, or a list of several")
+    if reading.get("version") is not None:
+        raise LoaderConfigError(
+            f"dataset_version={reading['version']!r} names a version of one dataset, and a "
+            "mixture reads several: leave it out (each source is read at its latest version)"
+        )
+    names = [os.fspath(p) for p in path]
+    sources = [_random_access(name, split, rank, world_size, reading) for name in names]
+    identities = tuple(
+        SourceIdentity(name, source.stamp.sha256, len(source))
+        for name, source in zip(names, sources, strict=True)
+    )
+    rule = _rule(config.on_source_end)
+    weights = checked_weights(config.weights, len(sources), rule, [len(s) for s in sources])
+    samples = _epoch_samples(config.epoch_samples, sum(len(s) for s in sources), rule)
+    _check_fields(sources, names, config)
+    classes, labels = class_maps(sources, names, config.class_map)
+    mixture = Mixture(identities, weights, rule, samples)
+    return MixedDataset(sources, mixture, classes, labels)
+
+
+def _refuse_mixing_fields(config: LoaderConfig) -> None:
+    for name, unset in (
+        ("weights", None),
+        ("epoch_samples", None),
+        ("class_map", None),
+        ("on_source_end", "cycle"),
+    ):
+        value = getattr(config, name)
+        if value != unset:
+            raise LoaderConfigError(
+                f"{name}={value!r} mixes several datasets, but one path was given; pass a list "
+                f"of dataset paths, or leave {name} out"
+            )
+
+
+def _random_access(
+    name: str, split: str, rank: int | None, world_size: int | None, reading: dict[str, Any]
+) -> MapDataset:
+    if storage.is_url(name):
+        raise LoaderConfigError(
+            f"mixture source {name} is a URL: a mixture reads local datasets (the shard cache "
+            "does not plan a mixture's reads yet); copy it to a local folder and mix that"
+        )
+    dataset = open_dataset(name, split, rank=rank, world_size=world_size, **reading)
+    if not isinstance(dataset, MapDataset):
+        raise LoaderConfigError(
+            f"mixture source {name} is a {dataset.manifest.format} dataset, which streams: a "
+            "mixture draws samples by index from lmdb or hdf5 sources; convert it with "
+            f"`dlpipe convert {name} --to lmdb --out NEW` and mix that"
+        )
+    return dataset
+
+
+def _rule(value: Any) -> str:
+    if not isinstance(value, str) or value not in MIX_RULES:
+        raise LoaderConfigError(
+            f"on_source_end={value!r} is not 'cycle' or 'stop'; pass 'cycle' (a source that "
+            "runs out starts its next permutation) or 'stop' (each sample once an epoch)"
+        )
+    return value
+
+
+def _epoch_samples(value: Any, total: int, rule: str) -> int:
+    if value is None:
+        return total
+    most = total if rule == "stop" else MAX_EPOCH_SAMPLES
+    if not is_int(value) or not 1 <= value <= most:
+        why = " (on_source_end='stop' reads each sample at most once)" if rule == "stop" else ""
+        raise LoaderConfigError(
+            f"epoch_samples={value!r} is not an integer in 1..{most}{why}; pass a sample "
+            "count, or None for the sources' total"
+        )
+    return int(value)
+
+
+def _check_fields(sources: list[MapDataset], names: list[str], config: LoaderConfig) -> None:
+    """The sources share a task and, for the image transforms, an image field."""
+    tasks = {name: source.manifest.task for name, source in zip(names, sources, strict=True)}
+    if set(tasks.values()) - {None, "classification"}:
+        raise LoaderConfigError(
+            f"the mixture's sources are of the tasks {tasks}: a mixture reads classification "
+            "datasets (or unlabelled ones); load a detection or segmentation dataset alone"
+        )
+    if config.transform in ("train", "eval", "auto"):
+        fields = {name: _image_field(source) for name, source in zip(names, sources, strict=True)}
+        if len(set(fields.values())) > 1:
+            raise LoaderConfigError(
+                f"the mixture's sources keep their images in different fields ({fields}); "
+                "the image transforms read one field: convert them alike"
+            )
+
+
+def _image_field(source: MapDataset) -> str | None:
+    try:
+        return image_field(list(source.manifest.fields))
+    except ValueError:
+        return None
+
+
+def class_maps(
+    sources: list[MapDataset], names: list[str], class_map: Any
+) -> tuple[tuple[str, ...], list[np.ndarray] | None]:
+    """The mixture's classes (the first source's) and each source's label map onto them
+    (None when every source's indices are already the mixture's).
+
+    Raises:
+        LoaderConfigError: a `class_map` key that names no source, a class it maps that the
+            source lacks or onto one the mixture lacks, or a source class with no counterpart.
+    """
+    maps = _class_map_by_source(class_map, names)
+    classes = tuple(sources[0].manifest.classes)
+    index = {name: i for i, name in enumerate(classes)}
+    labels = []
+    for number, source in enumerate(sources):
+        own, given = tuple(source.manifest.classes), maps.get(number, {})
+        unknown = sorted(set(given) - set(own))
+        if unknown:
+            raise LoaderConfigError(
+                f"class_map for {names[number]} maps {unknown}, which are not its classes "
+                f"{list(own)}; map its own class names"
+            )
+        mapped = [given.get(name, name) for name in own]
+        missing = sorted({name for name in mapped if name not in index})
+        if missing:
+            raise LoaderConfigError(
+                f"{names[number]}'s classes {missing} are not among the mixture's classes "
+                f"{list(classes)} (those of {names[0]}), so their labels are ambiguous; map "
+                f'each to one of those: class_map={{"{number}": {{"{missing[0]}": ...}}}}'
+            )
+        labels.append(np.asarray([index[name] for name in mapped], dtype=np.int64))
+    if all(np.array_equal(lut, np.arange(len(lut))) for lut in labels):
+        return classes, None
+    task = sources[0].manifest.task
+    if task not in (None, "classification"):
+        raise LoaderConfigError(
+            f"the mixture's {task} sources number their classes differently; relabelling "
+            "maps class labels of classification only: convert them with one class list"
+        )
+    return classes, labels
+
+
+def _class_map_by_source(class_map: Any, names: list[str]) -> dict[int, dict[str, str]]:
+    """`class_map` keyed by source number (its keys: a number or a path as given)."""
+    if class_map is None:
+        return {}
+    if not isinstance(class_map, Mapping):
+        raise LoaderConfigError(
+            f"class_map={shown(class_map)} is not a mapping; pass "
+            '{"SOURCE": {"their_class": "our_class"}} (SOURCE: its index or path)'
+        )
+    out = {}
+    for key, renames in class_map.items():
+        number = _source_number(key, names)
+        if not isinstance(renames, Mapping) or not all(
+            isinstance(a, str) and isinstance(b, str) for a, b in renames.items()
+        ):
+            raise LoaderConfigError(
+                f"class_map[{key!r}]={shown(renames)} is not a mapping of class names to "
+                'class names; pass {"their_class": "our_class"}'
+            )
+        out[number] = dict(renames)
+    return out
+
+
+def _source_number(key: Any, names: list[str]) -> int:
+    if isinstance(key, str) and key in names:
+        return names.index(key)
+    text = str(key) if is_int(key) or isinstance(key, str) else ""
+    if text.isdigit() and int(text) < len(names):
+        return int(text)
+    raise LoaderConfigError(
+        f"class_map key {key!r} names no source; use a source's index (0..{len(names) - 1}) "
+        f"or its path as given ({', '.join(names)})"
+    )
