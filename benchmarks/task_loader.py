@@ -312,7 +312,9 @@ def markdown(result: dict[str, Any]) -> str:
 RECIPES = (
     "detection: RandomHorizontalFlip, ConvertBoundingBoxFormat(XYXY), SanitizeBoundingBoxes "
     "(torchvision's default `hflip` policy); segmentation: RandomResize(260, 1040), "
-    "RandomHorizontalFlip, PadIfSmaller(480), RandomCrop(480) (the references' train preset)."
+    "RandomHorizontalFlip, PadIfSmaller(480), RandomCrop(480) (the references' train preset); "
+    "its masks are int64 in torchvision's batches (the references' ToDtype), uint8 in dlpipe's "
+    "(the trainer casts them on the device)."
 )
 
 

@@ -31,7 +31,7 @@ from dlpipe.loading.task_collate import (
     collate_segmentation,
     task_collate,
 )
-from dlpipe.loading.task_transforms import TaskTransform, segmentation_ops
+from dlpipe.loading.task_transforms import PadIfSmaller, TaskTransform, segmentation_ops
 from dlpipe.loading.transforms import decode_rgb
 
 HEIGHT, WIDTH = 90, 120
@@ -230,6 +230,18 @@ def test_a_segmentation_batch_with_a_mask_past_255_is_int64() -> None:
     assert masks.dtype == torch.int64 and masks[:, 0, 0].tolist() == [3, 300]
     _, masks = collate_segmentation([(image, small), (image, small)])
     assert masks.dtype == torch.uint8 and masks[:, 0, 0].tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_the_pad_gives_torchvision_s_pixels_in_the_image_s_memory_order(channels_last) -> None:
+    pixels = torch.randint(1, 255, (10, 12, 3), dtype=torch.uint8, generator=torch.Generator())
+    image = tv_tensors.Image(
+        pixels.permute(2, 0, 1) if channels_last else pixels.movedim(2, 0).contiguous()
+    )
+    padded = PadIfSmaller(32)(image)
+    assert torch.equal(padded, v2.functional.pad(image, padding=[0, 0, 20, 22], fill=0))
+    assert isinstance(padded, tv_tensors.Image)
+    assert (padded.stride(0) == 1) == channels_last  # a batch of decoded images stacks as is
 
 
 def test_the_crop_pads_a_small_image_with_0_and_its_mask_with_the_ignore_value() -> None:
