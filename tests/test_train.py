@@ -90,6 +90,12 @@ def step_losses(run: Path) -> list[float]:
     return [r["loss"] for r in records(run, "step")]
 
 
+def losses_by_step(run: Path) -> dict[int, float]:
+    """Each step's loss, the last one logged (a run killed after a checkpoint logs the steps
+    after it twice: before the kill and again when resumed)."""
+    return {r["step"]: r["loss"] for r in records(run, "step")}
+
+
 def sigterm_after_3_steps(child: subprocess.Popen, run: Path) -> tuple[str, str]:
     """A pre-emption: SIGTERM once the run has logged 3 steps (that state is waited for, not a
     time: the bound is only on a hang); (stdout, stderr) at its exit."""
@@ -108,6 +114,20 @@ def sigterm_after_3_steps(child: subprocess.Popen, run: Path) -> tuple[str, str]
 
 def newest(run: Path) -> dict:
     return ckpt.load_checkpoint(ckpt.list_checkpoints(str(run))[0])
+
+
+def wait_for_checkpoint(child: subprocess.Popen, run: Path, step: int) -> None:
+    """Until the run has written a whole checkpoint of `step` or later (a state waited for,
+    not a time: the bound is only on a hang)."""
+    deadline = time.monotonic() + 600
+    while not any(
+        ckpt.looks_whole(str(p)) and int(p.stem.split("-")[1]) >= step
+        for p in (run / "checkpoints").glob("step-*.pt")
+    ):
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"no checkpoint of step {step}: {child.communicate()}")
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)

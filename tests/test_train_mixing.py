@@ -7,17 +7,24 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_train import COMMON, _user_models, newest, records, step_losses, write_colours
+from test_train import (
+    COMMON,
+    _user_models,
+    losses_by_step,
+    newest,
+    records,
+    step_losses,
+    wait_for_checkpoint,
+    write_colours,
+)
 
 from dlpipe.cli import main
 from dlpipe.options import config_toml
-from dlpipe.train import checkpoint as ckpt
 from dlpipe.train.config import TrainConfig, load_config
 
 __all__ = ["_user_models"]  # the autouse fixture that makes tests/trainer_models importable
@@ -34,20 +41,6 @@ def mix(tmp_path_factory) -> tuple[str, str]:
 
 def train(paths: tuple[str, ...], out: Path, *extra: str) -> int:
     return main(["train", *paths, "--out", str(out), *COMMON, *extra])
-
-
-def wait_for_checkpoint(child: subprocess.Popen, run: Path, step: int) -> None:
-    """Until the run has written a whole checkpoint of `step` or later (a state waited for,
-    not a time: the bound is only on a hang)."""
-    deadline = time.monotonic() + 600
-    while not any(
-        ckpt.looks_whole(str(p)) and int(p.stem.split("-")[1]) >= step
-        for p in (run / "checkpoints").glob("step-*.pt")
-    ):
-        if child.poll() is not None or time.monotonic() > deadline:
-            child.kill()
-            pytest.fail(f"no checkpoint of step {step}: {child.communicate()}")
-        time.sleep(0.05)
 
 
 def test_two_datasets_train_as_one_weighted_mixture_counted_per_dataset(
@@ -179,7 +172,7 @@ def test_a_mixture_killed_with_sigkill_resumes_to_the_same_weights_and_counts(
     assert newest(killed)["step"] < 8  # stopped mid-epoch
     assert main([*run, "--out", str(killed), "--max-steps", "12"]) == 0
     assert main([*run, "--out", str(whole), "--max-steps", "12"]) == 0
-    assert step_losses(killed) == step_losses(whole) and len(step_losses(whole)) == 12
+    assert losses_by_step(killed) == losses_by_step(whole) and len(step_losses(whole)) == 12
     a, b = newest(whole), newest(killed)
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name

@@ -4,12 +4,10 @@ dataset or model in one ``error:`` line."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_train import losses_by_step, newest, records, wait_for_checkpoint
 
 import dlpipe
 from dlpipe.cli import main
 from dlpipe.synthetic_tasks import write_coco, write_voc_segmentation
-from dlpipe.train import checkpoint as ckpt
 
 TESTS = Path(__file__).resolve().parent
 COMMON = [
@@ -91,21 +89,6 @@ def args(task: str, data: str, out: Path, *extra: str) -> list[str]:
     return ["train", data, "--out", str(out), *COMMON, *MODELS[task], *extra]
 
 
-def records(run: Path, event: str) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == event]
-
-
-def step_losses(run: Path) -> dict[int, float]:
-    """Each step's loss, the last one logged (a run killed after a checkpoint logs the steps
-    after it twice: before the kill and again when resumed)."""
-    return {r["step"]: r["loss"] for r in records(run, "step")}
-
-
-def newest(run: Path) -> dict:
-    return ckpt.load_checkpoint(ckpt.list_checkpoints(str(run))[0])
-
-
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a["step"] == b["step"]
     for name, tensor in a["model"].items():
@@ -162,25 +145,6 @@ def test_a_torchvision_detector_trains_from_scratch(datasets, tmp_path) -> None:
     assert newest(run)["model"]["roi_heads.box_predictor.cls_score.bias"].shape == (9,)
 
 
-def _wait_for_checkpoint(child: subprocess.Popen, run: Path, step: int) -> None:
-    """Until the run has written a checkpoint of `step` or later (a state waited for, not a
-    time: the bound is only on a hang)."""
-    deadline = time.monotonic() + 600
-    while not any(ckpt.looks_whole(p) and _step(p) >= step for p in _checkpoints(run)):
-        if child.poll() is not None or time.monotonic() > deadline:
-            child.kill()
-            pytest.fail(f"no checkpoint of step {step}: {child.communicate()}")
-        time.sleep(0.05)
-
-
-def _checkpoints(run: Path) -> list[str]:
-    return sorted(str(p) for p in (run / "checkpoints").glob("step-*.pt"))
-
-
-def _step(path: str) -> int:
-    return int(Path(path).stem.split("-")[1])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("task", "steps"), [("detection", 14), ("segmentation", 6)])
 def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(
@@ -197,13 +161,13 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(
         [sys.executable, "-m", "dlpipe", *run_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
     )  # fmt: skip
-    _wait_for_checkpoint(child, killed, 4)
+    wait_for_checkpoint(child, killed, 4)
     os.kill(child.pid, signal.SIGKILL)
     child.communicate()
     assert main([*run_args, "--max-steps", str(steps)]) == 0
     reference = args(task, datasets[task], whole, "--batch-size", "8", "--epochs", "3")
     assert main([*reference, "--checkpoint-every", "2", "--max-steps", str(steps)]) == 0
-    assert step_losses(killed) == step_losses(whole) and len(step_losses(whole)) == steps
+    assert losses_by_step(killed) == losses_by_step(whole) and len(losses_by_step(whole)) == steps
     assert_same_weights(newest(whole), newest(killed))
     first = METRICS[task][0]
     assert records(killed, "epoch")[0][first] == records(whole, "epoch")[0][first]
@@ -224,7 +188,7 @@ def test_two_gloo_ranks_match_one_process(task, datasets, tmp_path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "global batch 8 = 2 ranks x micro-batch 4 x 1 accumulation steps" in done.stdout
-    a, b = step_losses(single), step_losses(ddp)
+    a, b = losses_by_step(single), losses_by_step(ddp)
     np.testing.assert_allclose(list(b.values()), list(a.values()), rtol=1e-5)
     for one, two in zip(records(single, "epoch"), records(ddp, "epoch"), strict=True):
         for key in METRICS[task]:
