@@ -39,6 +39,24 @@ def without_region_decode(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def baseline_dataloader(
+    dataset: Any, batch_size: int, workers: int, collate_fn: Callable[..., Any] | None = None
+) -> Any:
+    """The DataLoader a user would write around a torchvision dataset: shuffled, whole batches,
+    its workers kept across epochs."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        collate_fn=collate_fn,
+    )
+
+
 def log(text: str) -> None:
     """Progress for people, on stderr (stdout carries the results table)."""
     print(text, file=sys.stderr, flush=True)

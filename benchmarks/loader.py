@@ -101,6 +101,7 @@ from dlpipe.turbojpeg import region_library
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # sibling script
+    baseline_dataloader,
     convert_corpus,
     generated_line,
     log,
@@ -137,15 +138,7 @@ GOAL_WDS = 0.95  # wds within 5 % of lmdb
 def baseline_loader(root: str, workers: int) -> DataLoader:
     """The loader a user would write with torchvision alone."""
     transform = T.Compose([T.RandomResizedCrop(SIZE), T.RandomHorizontalFlip(), T.PILToTensor()])
-    dataset = ImageFolder(root, transform=transform)
-    return DataLoader(
-        dataset,
-        batch_size=BATCH,
-        shuffle=True,
-        drop_last=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-    )
+    return baseline_dataloader(ImageFolder(root, transform=transform), BATCH, workers)
 
 
 def dlpipe_loader(path: str, workers: int, engine: str) -> Any:

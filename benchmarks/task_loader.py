@@ -70,7 +70,14 @@ from dlpipe.machine import cpu_seconds, usable_cpus
 from dlpipe.synthetic_tasks import write_coco, write_voc_segmentation
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dlpipe_executable, generated_line, log, met, write_results  # siblings
+from common import (  # siblings
+    baseline_dataloader,
+    dlpipe_executable,
+    generated_line,
+    log,
+    met,
+    write_results,
+)
 from machine import machine_info
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -144,15 +151,7 @@ def _stack_pairs(batch: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
 def baseline_loader(task: str, raw: Path, workers: int) -> DataLoader:
     dataset = coco_baseline(raw) if task == "detection" else voc_baseline(raw)
     collate = _references_collate if task == "detection" else _stack_pairs
-    return DataLoader(
-        dataset,
-        batch_size=BATCH,
-        shuffle=True,
-        drop_last=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        collate_fn=collate,
-    )
+    return baseline_dataloader(dataset, BATCH, workers, collate)
 
 
 def dlpipe_loader(task: str, data: Path, workers: int) -> Any:

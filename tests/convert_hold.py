@@ -12,6 +12,7 @@ reaches its hold later (a worker still holding would keep the pool's shutdown wa
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -47,3 +48,19 @@ class ConvertHold:
 
     def release(self) -> None:
         (self.folder / "release").touch()
+
+    def kill_after_first_shard(self, command: list[str]) -> None:
+        """Run `command` (a ``dlpipe convert``) held, and kill -9 its whole session once its
+        first shard is journalled and its second not started."""
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
+        try:
+            self.wait(proc)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

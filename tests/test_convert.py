@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -276,19 +275,9 @@ def test_kill_9_then_resume_gives_the_same_dataset(tmp_path) -> None:
         check=True,
         capture_output=True,
     )
-    out, hold = tmp_path / "out", ConvertHold(tmp_path / "hold")
-    proc = subprocess.Popen(
-        [DLPIPE, "convert", str(raw), *args, "--out", str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=hold.env,
-        start_new_session=True,
-    )
-    try:
-        hold.wait(proc)  # the first shard is journalled, the second not started
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    out = tmp_path / "out"
+    command = [DLPIPE, "convert", str(raw), *args, "--out", str(out)]
+    ConvertHold(tmp_path / "hold").kill_after_first_shard(command)
     finished = _journal_entries(out)
     assert finished == 1
     assert not (out / "dlpipe.json").exists()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -290,19 +289,7 @@ def test_resume_of_an_append_that_is_not_unfinished_is_one_error_line(tmp_path, 
 
 def _hold_an_append(tmp_path: Path, out: Path, args: list[str]) -> None:
     """Start an append of one sample per shard and kill -9 it after its first shard."""
-    hold = ConvertHold(tmp_path / "hold")
-    proc = subprocess.Popen(
-        [DLPIPE, "convert", *args, "--append"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=hold.env,
-        start_new_session=True,
-    )
-    try:
-        hold.wait(proc)  # the first shard is journalled, the second not started
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    ConvertHold(tmp_path / "hold").kill_after_first_shard([DLPIPE, "convert", *args, "--append"])
     assert len(list((out / ".dlpipe-journal").glob("train-*.json"))) == 1
 
 
