@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,25 @@ def test_a_url_gives_the_local_batches_exactly(
     assert len(shards) == 5 and all(gets[n] == 1 for n in shards), gets  # each downloaded once
     folder = Path(cache_folder(url, tmp_path / "cache"))
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("train-")) == sorted(shards)
+
+
+def test_close_ends_the_shard_cache_threads_and_a_later_pass_reads_again(
+    local_sets, s3, tmp_path
+) -> None:
+    """A 0-worker loader reads in this process: close() ends its cache's download threads
+    (they would idle until the loader was collected), and the next pass opens it again."""
+
+    def fetch_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("dlpipe-shard-fetch")]
+
+    loader = _loader(s3(local_sets["hdf5"]), 0, tmp_path / "cache")
+    first = batch_list(loader)
+    assert fetch_threads()
+    loader.close()
+    assert not [t for t in fetch_threads() if t.is_alive() and (t.join(60) or t.is_alive())]
+    again = batch_list(loader)  # the second epoch
+    loader.close()
+    assert _equal([first, again], _epochs(_loader(local_sets["hdf5"], 0)))
 
 
 def test_open_dataset_reads_lmdb_from_a_url_at_random(local_sets, s3, tmp_path) -> None:

@@ -142,6 +142,7 @@ class PreparedLoader(HookedDataLoader):
         self.order: PassOrder = plan.order
         self._identity = plan.identity
         self._manifest = plan.dataset.manifest  # its versions name an older state's version
+        self._dataset = plan.dataset  # its readers (and a URL's shard cache) in this process
         self._pass: PassProgress | None = None
         self._inner: Any = None  # the DataLoader iterator of the pass (its workers)
         self._generation = 0
@@ -229,12 +230,17 @@ class PreparedLoader(HookedDataLoader):
         self.order.load_pass_state(dict(saved))
         self._pass, self._generation = None, self._generation + 1
         if self.order.restarts_workers:
-            self.close()  # persistent workers hold the old position: the next pass restarts them
+            self._end_workers()  # persistent ones hold the old position: the next pass restarts
 
     def close(self) -> None:
-        """End the worker processes (or the thread engine's threads) now (they end with the
-        loader's garbage collection otherwise; a trainer that runs in-process must not leave
-        them behind)."""
+        """End the worker processes (or the thread engine's threads) now, and close the shard
+        readers this process opened (a URL dataset's shard cache too: its download threads
+        end). They end with the loader's garbage collection otherwise; a trainer that runs
+        in-process must not leave them behind. A later pass opens what it needs again."""
+        self._end_workers()
+        self._dataset.close()
+
+    def _end_workers(self) -> None:
         if self._stages.threads is not None:
             self._stages.threads.close()
         shutdown_workers(self, self._inner)
