@@ -57,6 +57,16 @@ def baseline_dataloader(
     )
 
 
+def add_link_arguments(parser: Any, shards: int) -> None:
+    """The remote-dataset benchmarks' options (``shard_cache.py``, ``shard_cache_peers.py``):
+    the dataset's shards and the slow link in front of the S3 server."""
+    parser.add_argument("--shards", type=int, default=shards)
+    parser.add_argument("--shard-mb", type=float, default=4.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--delay-ms", type=float, default=20.0)
+    parser.add_argument("--bandwidth-mbps", type=float, default=100.0)
+
+
 def log(text: str) -> None:
     """Progress for people, on stderr (stdout carries the results table)."""
     print(text, file=sys.stderr, flush=True)

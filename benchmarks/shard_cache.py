@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common import generated_line, log, met, write_results
+from common import add_link_arguments, generated_line, log, met, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_faults import FaultProxy  # the tests' loopback S3 proxy
@@ -123,16 +123,23 @@ def write_dataset(out: Path, shards: int, shard_mb: float) -> Path:
     return out
 
 
-def upload(port: int, folder: Path) -> str:
-    """`folder` copied to ``s3://bench/data``; the URL."""
+def upload(port: int, folder: Path, prefix: str = "data") -> str:
+    """Every file under `folder` (`data_files`) copied to ``s3://bench/<prefix>``, its
+    sub-folders kept; the URL."""
     import s3fs
 
     fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", key="k", secret="s")
-    fs.mkdir("bench")
-    for path in folder.iterdir():
-        if path.is_file() and not path.name.startswith("."):
-            fs.put_file(str(path), f"bench/data/{path.name}")
-    return "s3://bench/data"
+    if not fs.exists("bench"):
+        fs.mkdir("bench")
+    for path in data_files(folder):
+        fs.put_file(str(path), f"bench/{prefix}/{path.relative_to(folder)}")
+    return f"s3://bench/{prefix}"
+
+
+def data_files(folder: Path) -> list[Path]:
+    """The files under `folder`, none in or named as a hidden one (``.dlpipe-journal``)."""
+    paths = sorted(p for p in folder.rglob("*") if p.is_file())
+    return [p for p in paths if not any(n.startswith(".") for n in p.relative_to(folder).parts)]
 
 
 class LoaderRun:
@@ -282,11 +289,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=64)
-    parser.add_argument("--shard-mb", type=float, default=4.0)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--delay-ms", type=float, default=20.0)
-    parser.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    add_link_arguments(parser, shards=64)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     started = time.perf_counter()

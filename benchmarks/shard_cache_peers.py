@@ -51,7 +51,7 @@ from pathlib import Path
 from subprocess import PIPE
 from typing import Any
 
-from common import generated_line, log, write_results
+from common import add_link_arguments, generated_line, log, write_results
 
 SAMPLE_BYTES = 64 << 10
 BATCH = 64
@@ -273,20 +273,14 @@ def write_dlpipe(out: Path, count: int, per_shard: int) -> None:
 
 
 def upload(port: int, folder: Path, prefix: str) -> tuple[str, int]:
-    """Every file under `folder` copied to ``s3://bench/<prefix>``; the URL and the bytes of
-    its data files (every file but the index/manifest)."""
-    import s3fs
+    """`folder` copied to ``s3://bench/<prefix>`` (`shard_cache.upload`); the URL and the
+    bytes of its data files (every file but the index/manifest)."""
+    from shard_cache import data_files
+    from shard_cache import upload as copy_up
 
-    fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{port}", key="k", secret="s")
-    if not fs.exists("bench"):
-        fs.mkdir("bench")
-    data_bytes = 0
-    for path in sorted(folder.rglob("*")):
-        if path.is_file() and not path.name.startswith("."):
-            fs.put_file(str(path), f"bench/{prefix}/{path.relative_to(folder)}")
-            if path.suffix in (".tar", ".bin", ".mds"):
-                data_bytes += path.stat().st_size
-    return f"s3://bench/{prefix}", data_bytes
+    data = [p for p in data_files(folder) if p.suffix in (".tar", ".bin", ".mds")]
+    data_bytes = sum(p.stat().st_size for p in data)
+    return copy_up(port, folder, prefix), data_bytes
 
 
 def prepare(args: argparse.Namespace, port: int, work: Path) -> dict[str, dict[str, Any]]:
@@ -426,11 +420,7 @@ def verdicts(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=32)
-    parser.add_argument("--shard-mb", type=float, default=4.0)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--delay-ms", type=float, default=20.0)
-    parser.add_argument("--bandwidth-mbps", type=float, default=100.0)
+    add_link_arguments(parser, shards=32)
     parser.add_argument("--peer-python", help="the python of a venv with litdata and streaming")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -456,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import machine_info
     from shard_cache import start_moto
 
     from dlpipe.machine import usable_cpus
@@ -482,7 +473,7 @@ def run(args: argparse.Namespace) -> None:
         "delay_ms": args.delay_ms,
         "bandwidth_mbps": args.bandwidth_mbps,
         "cpus": usable_cpus(),
-        "machine": machine(),
+        "machine": machine_info(),
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "versions": versions(args),
@@ -491,14 +482,6 @@ def run(args: argparse.Namespace) -> None:
     result["timestamp"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     result["total_s"] = time.perf_counter() - started
     write_results(Path(args.out), "shard_cache_peers", result, markdown)
-
-
-def machine() -> str:
-    """The CPU model and the memory, as /proc says."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), "?")
-    mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
-    return f"{cpu}, {os.cpu_count()} CPUs, {mem_kb / 2**20:.0f} GiB memory"
 
 
 if __name__ == "__main__":
