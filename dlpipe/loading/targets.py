@@ -42,7 +42,7 @@ from dlpipe.annotations import (
     MASK_FIELD,
     MASKS_FIELD,
     AnnotationError,
-    read_boxes,
+    check_boxes,
     read_masks,
 )
 from dlpipe.codecs import max_image_pixels, open_image
@@ -134,12 +134,11 @@ class TargetSpec:
             raise TargetError(f"sample {key!r} field {self.field!r}: {exc}") from None
 
     def _detection(self, sample: Sample, size: tuple[int, int], index: int) -> dict[str, Any]:
-        record = read_boxes(_field(sample, self.field))
-        boxes = _checked_boxes(record["boxes"], size)
+        height, width = size
+        data = _field(sample, self.field)
+        record = check_boxes(data, width, height, self.num_classes, slack=BOX_SLACK_PX)
+        boxes = _clamped(record["boxes"], size)
         labels = torch.tensor(record["labels"], dtype=torch.int64)
-        if labels.numel() and int(labels.max()) >= self.num_classes:
-            bad = int(labels.max())
-            raise AnnotationError(f"label {bad} is not one of the {self.num_classes} classes")
         target: dict[str, Any] = {
             "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=size),
             "labels": labels,
@@ -206,20 +205,10 @@ def _text(data: bytes) -> str:
         raise AnnotationError(f"the caption is not UTF-8 ({exc})") from None
 
 
-def _checked_boxes(boxes: list[list[float]], size: tuple[int, int]) -> torch.Tensor:
-    """(N, 4) float32 boxes, each with a positive size inside the image (clamped onto it
-    within `BOX_SLACK_PX`); `read_boxes` already refused NaN and infinities."""
+def _clamped(boxes: list[list[float]], size: tuple[int, int]) -> torch.Tensor:
+    """(N, 4) float32 boxes, checked by `check_boxes`, clamped onto the image (they may reach
+    `BOX_SLACK_PX` past an edge)."""
     height, width = size
-    for i, (x0, y0, x1, y1) in enumerate(boxes):
-        if not (x1 > x0 and y1 > y0):
-            raise AnnotationError(
-                f"object {i}: box [{x0}, {y0}, {x1}, {y1}] has no positive width and height"
-            )
-        slack = BOX_SLACK_PX
-        if x0 < -slack or y0 < -slack or x1 > width + slack or y1 > height + slack:
-            raise AnnotationError(
-                f"object {i}: box [{x0}, {y0}, {x1}, {y1}] lies outside the {width}x{height} image"
-            )
     out = torch.tensor(boxes, dtype=torch.float64).reshape(-1, 4)
     out[:, 0::2] = out[:, 0::2].clamp(0, width)
     out[:, 1::2] = out[:, 1::2].clamp(0, height)
