@@ -198,6 +198,7 @@ class ShardCache:
             if self._users[name] == 0:
                 del self._users[name]
                 os.close(self._use_fds.pop(name))
+                self._trim()
             self._schedule()
 
     def used(self, name: str) -> None:
@@ -336,6 +337,7 @@ class ShardCache:
                 self._failed.add(name)
             self._changed.notify_all()
             if not self._closed:
+                self._trim()
                 self._schedule()
 
     def _evict_for_disk(self, name: str) -> bool:
@@ -367,6 +369,12 @@ class ShardCache:
             except RuntimeError:  # the pool is shut down: interpreter exit in a worker
                 self._closed = True
                 return
+
+    def _trim(self) -> None:
+        """Evict, by the policy, shards no process uses and the prefetch window does not
+        hold, while the folder holds more than the limit: each process counts only its own
+        downloads in flight, so those of several processes may land past it together."""
+        self._make_room(0, self._plan.cursor - 1, needed_now=False)
 
     def _window(self) -> Iterator[tuple[int, str]]:
         """The next `prefetch_depth` distinct shards of the plan, at most half the cache

@@ -20,7 +20,7 @@ from s3_faults import FaultProxy
 
 import dlpipe
 from dlpipe.cli import main
-from dlpipe.shard_cache import ShardFetchError
+from dlpipe.shard_cache import ShardCacheLimitError, ShardFetchError
 from dlpipe.shard_store import CacheSettingError, cache_folder, cache_limit_bytes
 from dlpipe.synthetic import synthetic_samples
 
@@ -245,3 +245,102 @@ def test_a_full_cache_disk_is_one_error_line_from_train(
     assert main(args) == 2
     line = one_error(capsys)
     assert str(small_disk) in line and "free space" in line, line
+
+
+# --- a mixture of URL sources ------------------------------------------------------------------
+
+MIX = {"weights": (0.6, 0.4)}
+
+
+def _mix_epochs(paths: list[Any], workers: int, count: int = 2, **more: Any) -> list[list[Any]]:
+    """`count` epochs of a two-source mixture's (images, labels, sources) batches."""
+    config = CONFIG.replace(**MIX, **more)
+    settings = dlpipe.WorkerSettings(num_workers=workers)
+    loader = dlpipe.make_loader([str(p) for p in paths], "train", config, workers=settings)
+    try:
+        return [[tuple(t.clone() for t in batch) for batch in loader] for _ in range(count)]
+    finally:
+        loader.close()
+
+
+def _same_batches(a: list[list[Any]], b: list[list[Any]]) -> bool:
+    pairs = [(x, y) for ea, eb in zip(a, b, strict=True) for x, y in zip(ea, eb, strict=True)]
+    return all(all(map(torch.equal, x, y)) for x, y in pairs)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mixture_of_urls_gives_the_local_mixture_exactly(
+    local_sets, s3, proxy, tmp_path, workers
+) -> None:
+    urls = [s3(local_sets["lmdb"]), s3(local_sets["hdf5"])]
+    remote = _mix_epochs(urls, workers, cache_dir=str(tmp_path))
+    local = _mix_epochs([local_sets["lmdb"], local_sets["hdf5"]], workers)
+    assert len(remote[0]) == 10 and _same_batches(remote, local)
+    assert {int(s) for batch in remote[0] for s in batch[2]} == {0, 1}
+    for url in urls:  # the cache holds both datasets: each shard downloaded once
+        gets = _shard_gets(proxy, url)
+        assert sorted(n for n in gets if n.startswith("train-")) == sorted(
+            p.name for p in local_sets["lmdb" if "lmdb" in url else "hdf5"].glob("train-*")
+        )
+        assert all(gets[n] == 1 for n in gets if n.startswith("train-")), gets
+
+
+def test_a_mixture_shares_one_cache_limit_out_and_still_gives_the_local_batches(
+    local_sets, s3, tmp_path
+) -> None:
+    urls = [s3(local_sets["lmdb"]), s3(local_sets["hdf5"])]
+    largest = sum(max(p.stat().st_size for p in local_sets[f].glob("train-*")) for f in MIX_FMTS)
+    limit = 3 * largest
+    remote = _mix_epochs(urls, 2, cache_dir=str(tmp_path), cache_limit=limit)
+    assert _same_batches(remote, _mix_epochs([local_sets[f] for f in MIX_FMTS], 2))
+    held = sum(
+        p.stat().st_size
+        for url in urls
+        for p in Path(cache_folder(url, tmp_path)).iterdir()
+        if p.name.startswith(("train-", "val-"))
+    )
+    assert 0 < held <= limit
+
+
+def test_a_mixture_cache_limit_too_small_for_a_sources_part_is_refused_naming_it(
+    local_sets, s3, tmp_path
+) -> None:
+    urls = [s3(local_sets["lmdb"]), s3(local_sets["hdf5"])]
+    largest = max(p.stat().st_size for p in local_sets["lmdb"].glob("train-*"))
+    with pytest.raises(ShardCacheLimitError) as caught:
+        _mix_epochs(urls, 0, cache_dir=str(tmp_path), cache_limit=largest)
+    message = str(caught.value)
+    assert "mixture's cache_limit" in message and "raise cache_limit" in message
+    assert any(url in message for url in urls)
+
+
+def test_a_mixtures_url_sources_each_plan_their_own_reads_in_order(
+    local_sets, s3, tmp_path, monkeypatch
+) -> None:
+    """Each URL source's cache is told the shards it reads next, in the mixture's order:
+    the codes drawn from it, mapped to its shards (8 samples each)."""
+    from dlpipe.shard_cache import ShardCache
+
+    plans: dict[str, list[list[str]]] = {}
+    plan = ShardCache.plan
+
+    def recorded(cache: ShardCache, order: Any) -> None:
+        plans.setdefault(cache.url_root, []).append(list(order))
+        plan(cache, order)
+
+    monkeypatch.setattr(ShardCache, "plan", recorded)
+    urls = [s3(local_sets["lmdb"]), s3(local_sets["hdf5"])]
+    config = CONFIG.replace(**MIX, cache_dir=str(tmp_path))
+    loader = dlpipe.make_loader(urls, "train", config, workers=dlpipe.WorkerSettings(num_workers=0))
+    next(iter(loader))
+    codes = loader.order.indices(0)
+    loader.close()
+    for number, url in enumerate(urls):
+        local = codes % 80 - 40 * number
+        shards = (local[(local >= 0) & (local < 40)] // 8).tolist()
+        names = [f"train-{s:06d}.{'lmdb' if number == 0 else 'h5'}" for s in shards]
+        expected = [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n]
+        assert plans[url][0][: len(expected)] == expected
+
+
+MIX_FMTS = ("lmdb", "hdf5")

@@ -289,10 +289,11 @@ class ShardReaders(Sequence[CheckedReader]):
             return CachedShardReader(self.remote, self.format, info, self.fields)
         return self.format.reader(storage.join(self.folder, info.name), info, self.fields)
 
-    def follow(self, sampler: EpochSampler) -> None:
-        """A map-style loader draws its indices from `sampler` (a remote dataset plans from it)."""
+    def follow(self, sampler: EpochSampler, part: tuple[int, int] | None = None) -> None:
+        """A map-style loader draws its indices from `sampler` (a remote dataset plans from
+        it); `part`: where this split is among them (`RemoteShards.follow`)."""
         if self.remote is not None:
-            self.remote.follow(sampler)
+            self.remote.follow(sampler, part)
 
     def reading(self, epoch: int, index: int) -> None:
         """A map-style loader reads sample `index` of `epoch` next (a remote dataset plans

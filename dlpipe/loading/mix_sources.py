@@ -2,9 +2,12 @@
 argument (one path: `open_dataset`; a list: a `MixedDataset`) and checks the mixing fields of
 `LoaderConfig` against the sources (`dlpipe.loading.mixing` holds the order and its state).
 
-Sources are local random-access datasets (lmdb, hdf5) of one task (classification, or
-unlabelled) with one image field: a streaming (wds) source, a URL or a detection or
-segmentation dataset is one `LoaderConfigError` naming it and the fix.
+Sources are random-access datasets (lmdb, hdf5), local or at URLs, of one task
+(classification, or unlabelled) with one image field: a streaming (wds) source or a detection
+or segmentation dataset is one `LoaderConfigError` naming it and the fix. URL sources read
+through their shard caches, each planned from the mixture's codes that are its samples
+(`MixedDataset.follow`), and share one ``cache_limit`` in proportion to their sizes
+(`dlpipe.loading.remote.share_limit`).
 
 Class spaces: the mixture's classes are the first source's. Another source's classes map onto
 them by name, so sources with the same class names mix as they are, in any order; a source with
@@ -25,7 +28,6 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from dlpipe import storage
 from dlpipe.loading.config import LoaderConfig, LoaderConfigError
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, open_dataset
 from dlpipe.loading.mixing import (
@@ -36,6 +38,8 @@ from dlpipe.loading.mixing import (
     SourceIdentity,
     checked_weights,
 )
+from dlpipe.loading.order import EpochSampler
+from dlpipe.loading.remote import share_limit
 from dlpipe.loading.state import is_int, shown
 from dlpipe.loading.transforms import image_field
 from dlpipe.manifest import Manifest
@@ -96,6 +100,16 @@ class MixedDataset(torch.utils.data.Dataset):
         source, index = self.locate(code)
         return {**self.sources[source][index], SOURCE_FIELD: source}
 
+    def follow(self, sampler: EpochSampler) -> None:
+        """The loader draws its codes from `sampler` (a `MixSampler`): each remote source's
+        cache plans its reads from the codes that are its samples."""
+        for source, offset in zip(self.sources, self.offsets, strict=False):
+            source.readers.follow(sampler, (offset, len(self)))
+
+    def reading(self, epoch: int, code: int) -> None:
+        """The loader reads `code` of `epoch` next (its source's cache plans from it)."""
+        self.sources[self.locate(code)[0]].readers.reading(epoch, code)
+
     def close(self) -> None:
         for source in self.sources:
             source.close()
@@ -135,6 +149,7 @@ def open_sources(
         )
     names = [os.fspath(p) for p in path]
     sources = [_random_access(name, split, rank, world_size, reading) for name in names]
+    share_limit([s.readers.remote for s in sources if s.readers.remote], reading.get("cache_limit"))
     identities = tuple(
         SourceIdentity(name, source.stamp.sha256, len(source))
         for name, source in zip(names, sources, strict=True)
@@ -166,11 +181,6 @@ def _refuse_mixing_fields(config: LoaderConfig) -> None:
 def _random_access(
     name: str, split: str, rank: int | None, world_size: int | None, reading: dict[str, Any]
 ) -> MapDataset:
-    if storage.is_url(name):
-        raise LoaderConfigError(
-            f"mixture source {name} is a URL: a mixture reads local datasets (the shard cache "
-            "does not plan a mixture's reads yet); copy it to a local folder and mix that"
-        )
     dataset = open_dataset(name, split, rank=rank, world_size=world_size, **reading)
     if not isinstance(dataset, MapDataset):
         raise LoaderConfigError(

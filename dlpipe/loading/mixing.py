@@ -181,7 +181,7 @@ class MixSampler(EpochSampler):
 
     def epoch_order(self, epoch: int, start: int) -> np.ndarray:
         """The mixture's codes of `epoch` from global position `start`."""
-        segment = self.segments[epoch]
+        segment = self._segment(epoch)
         _, codes = self._order(epoch, segment)
         return codes[start - segment.since :]
 
@@ -189,14 +189,29 @@ class MixSampler(EpochSampler):
         """The next epoch under the loader's weights; each source's draws go on (cycle) or
         start anew (stop)."""
         ending = self.segments[self.epoch]
+        super().next_epoch()
+        self.segments = {self.epoch - 1: ending, self.epoch: self._after(self.epoch - 1, ending)}
+
+    def _segment(self, epoch: int) -> _Segment:
+        """`epoch`'s start: known, or up to two epochs past the last known one under the
+        loader's weights (a remote source's cache plans ahead, in a worker's copy of this
+        sampler made before its pass began)."""
+        if epoch in self.segments:
+            return self.segments[epoch]
+        last = max(self.segments)
+        if not last < epoch <= last + 2:
+            raise KeyError(f"epoch {epoch} is not among {sorted(self.segments)} or just after")
+        segment = self.segments[last]
+        for before in range(last, epoch):
+            segment = self._after(before, segment)
+        return segment
+
+    def _after(self, epoch: int, segment: _Segment) -> _Segment:
+        """The start of the epoch after `epoch`, whose last stretch began at `segment`."""
         cursors = (0,) * len(self.sizes)
         if self.mixture.on_source_end == "cycle":
-            cursors = self._cursors(self.epoch, ending, self.num_samples)
-        super().next_epoch()
-        self.segments = {
-            self.epoch - 1: ending,
-            self.epoch: _Segment(0, self.mixture.weights, cursors),
-        }
+            cursors = self._cursors(epoch, segment, self.num_samples)
+        return _Segment(0, self.mixture.weights, cursors)
 
     def _order(self, epoch: int, segment: _Segment) -> tuple[np.ndarray, np.ndarray]:
         """(source labels, codes) of `epoch`'s positions from ``segment.since``."""

@@ -41,7 +41,7 @@ from dlpipe.sample import Sample
 from dlpipe.shard_cache import BELADY, CacheStats, ShardCache, ShardCacheLimitError
 from dlpipe.shard_store import cache_folder, cache_limit_bytes
 
-__all__ = ["HELD_SHARE", "CachedShardReader", "RemoteShards"]
+__all__ = ["HELD_SHARE", "CachedShardReader", "RemoteShards", "share_limit"]
 
 HELD_SHARE = 0.25
 """With a dataset larger than the limit, the share of the limit one reader of the node keeps
@@ -81,18 +81,31 @@ class RemoteShards:
         self.url, self.shards = url.rstrip("/"), list(shards)
         self.split_shards = list(split_shards)
         self.folder = cache_folder(url, cache_dir)
-        self.limit_bytes = cache_limit_bytes(cache_limit, self.folder)
-        largest = max((s.bytes for s in self.shards), default=0)
-        if self.limit_bytes < largest:
-            raise ShardCacheLimitError(
-                f"cache_limit of {self.limit_bytes} bytes is smaller than the largest shard of "
-                f"{url} ({largest} bytes); raise cache_limit to at least a few shards"
-            )
         counts = np.asarray([s.samples for s in self.split_shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])
-        self._fits = sum(s.bytes for s in self.shards) <= self.limit_bytes
+        self.limit(cache_limit_bytes(cache_limit, self.folder))
         self._sampler: EpochSampler | None = None
+        self._part = (0, int(self._starts[-1]))  # the sampler's indices: (offset, modulus)
         self._reset()
+
+    @property
+    def bytes(self) -> int:
+        """The dataset's shard bytes (every split)."""
+        return sum(s.bytes for s in self.shards)
+
+    def limit(self, limit_bytes: int) -> None:
+        """Keep at most `limit_bytes` of this dataset's shards (a mixture shares its limit out).
+
+        Raises:
+            ShardCacheLimitError: a limit smaller than the largest shard.
+        """
+        largest = max((s.bytes for s in self.shards), default=0)
+        if limit_bytes < largest:
+            raise ShardCacheLimitError(
+                f"cache_limit of {limit_bytes} bytes is smaller than the largest shard of "
+                f"{self.url} ({largest} bytes); raise cache_limit to at least a few shards"
+            )
+        self.limit_bytes, self._fits = limit_bytes, self.bytes <= limit_bytes
 
     def _reset(self) -> None:
         self._cache: ShardCache | None = None
@@ -173,9 +186,14 @@ class RemoteShards:
         names = [self.split_shards[i].name for i in _collapsed(shards)[:MAX_PLAN]]
         self.cache().plan(names)
 
-    def follow(self, sampler: EpochSampler) -> None:
-        """Plan a map-style loader's reads from `sampler` (see `plan_map`)."""
+    def follow(self, sampler: EpochSampler, part: tuple[int, int] | None = None) -> None:
+        """Plan a map-style loader's reads from `sampler` (see `plan_map`). `part`: where
+        this split's samples are among the sampler's indices, ``(offset, modulus)``: index
+        ``i`` is sample ``i % modulus - offset`` when that is in range, else another
+        source's (a mixture's codes); default: the indices are the samples."""
         self._sampler = sampler
+        if part is not None:
+            self._part = part
 
     def plan_map(self, epoch: int, index: int) -> None:
         """A map-style loader reads sample `index` of `epoch`: at the first of an epoch in this
@@ -189,9 +207,15 @@ class RemoteShards:
         first = at // block if at is not None else 0
         ahead = _batches(now, block, first, workers) if at is not None else np.asarray([index])
         following = _batches(sampler.indices(epoch + 1, 0), block, worker, workers)
-        samples = np.concatenate([ahead, following])[: MAX_PLAN * 4]
+        samples = self._own(np.concatenate([ahead, following]))[: MAX_PLAN * 4]
         self.plan(list(np.searchsorted(self._starts, samples, side="right") - 1))
         self._planned = epoch
+
+    def _own(self, indices: np.ndarray) -> np.ndarray:
+        """The samples of this split among a sampler's `indices`, in order (see `follow`)."""
+        offset, modulus = self._part
+        local = np.asarray(indices, dtype=np.int64) % modulus - offset
+        return local[(local >= 0) & (local < self._starts[-1])]
 
     @staticmethod
     def _pass_order(sampler: EpochSampler, epoch: int, index: int) -> tuple[np.ndarray, int | None]:
@@ -212,6 +236,31 @@ class RemoteShards:
         fresh.base, fresh.consumed = [order.rank_range()], []
         following = order.segments(epoch + 1, fresh.worker_runs())
         self.plan([s.shard for s in [*segments, *following]])
+
+
+def share_limit(remotes: Sequence[RemoteShards], cache_limit: int | str | None) -> None:
+    """Share one cache limit out among a mixture's remote sources, each its part in
+    proportion to its shard bytes: `cache_limit` as given, or (None) the default of the first
+    source's cache folder (what it holds plus half its disk's free space), so a mixture keeps
+    no more than one dataset would.
+
+    Raises:
+        CacheSettingError: a bad `cache_limit`.
+        ShardCacheLimitError: a source's part smaller than its largest shard (named).
+    """
+    if len(remotes) < 2:
+        return
+    total = cache_limit_bytes(cache_limit, remotes[0].folder)
+    size = sum(r.bytes for r in remotes) or 1
+    for remote in remotes:
+        part = total * remote.bytes // size
+        try:
+            remote.limit(part)
+        except ShardCacheLimitError as exc:
+            raise ShardCacheLimitError(
+                f"the mixture's cache_limit of {total} bytes, shared out by dataset size, "
+                f"leaves {remote.url} {part} bytes: {exc}"
+            ) from None
 
 
 def _node_readers() -> int:

@@ -4,9 +4,10 @@
 - `StreamView` (wds): each worker reads its stretch of whole batches along `StreamOrder` and
   sends them collated, each with the runs of stream positions it holds, which the loader
   counts into its state when the caller gets the batch.
-- `MixView` (a mixture of lmdb/hdf5 datasets, `dlpipe.loading.mix_sources.MixedDataset`):
-  ``view[(epoch, code)]``, the codes drawn by `MixSampler`; its transform is a `MixTransform`
-  (`tag_sources`), which maps the label onto the mixture's classes and appends the source.
+- `MixView` (a mixture of lmdb/hdf5 datasets, local or at URLs,
+  `dlpipe.loading.mix_sources.MixedDataset`): ``view[(epoch, code)]``, the codes drawn by
+  `MixSampler`; its transform is a `MixTransform` (`tag_sources`), which maps the label onto
+  the mixture's classes and appends the source.
 
 Each way, the DataLoader yields `Piece` s (a batch and its runs; a map-style batch has none),
 and `plan_view` pairs a dataset with its view, its order (`PassOrder`) and the DataLoader
@@ -95,6 +96,7 @@ class MixView(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, int]) -> Any:
         epoch, code = item
+        self.dataset.reading(epoch, code)  # a remote source's cache plans from it
         return apply_transform(self.transform, self.dataset[code], epoch, code)
 
 
@@ -320,6 +322,7 @@ def _mix_plan(
     the DataLoader batches them, ``batch_size`` a block."""
     block = placement.pop("batch_size")
     sampler = MixSampler(dataset.mixture, block=block, **placement)
+    dataset.follow(sampler)  # remote sources' caches plan each worker's reads
     options = sampler.dataloader_options() | {"collate_fn": PieceCollate(collate_fn)}
     return ViewPlan(dataset, MixView(dataset, transform), sampler, options)
 
