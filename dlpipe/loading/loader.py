@@ -379,7 +379,7 @@ def make_loader(
     config = (given or LoaderConfig()).resolved(split, task)
     where = (dataset.path, split, config, task)
     settings, origin = _worker_settings(base, profile, where, **changes)
-    transform = tag_sources(dataset, make_transform(config, dataset))
+    transform = tag_sources(dataset, lambda opened: make_transform(config, opened))
     fn, stages = make_stages(settings, config, transform)
     options: dict[str, Any] = settings.dataloader_options()
     if settings.num_workers > 0:

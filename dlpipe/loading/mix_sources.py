@@ -3,8 +3,10 @@ argument (one path: `open_dataset`; a list: a `MixedDataset`) and checks the mix
 `LoaderConfig` against the sources (`dlpipe.loading.mixing` holds the order and its state).
 
 Sources are random-access datasets (lmdb, hdf5), local or at URLs, of one task
-(classification, or unlabelled) with one image field: a streaming (wds) source or a detection
-or segmentation dataset is one `LoaderConfigError` naming it and the fix. URL sources read
+(classification and unlabelled ones mix; detection sources all with instance masks or none;
+segmentation sources with one ignore value) and one image field: a streaming (wds) source or
+another mixture is one `LoaderConfigError` naming it and the fix. Each source keeps its own
+recipe (its targets checked against its own classes), its labels then mapped. URL sources read
 through their shard caches, each planned from the mixture's codes that are its samples
 (`MixedDataset.follow`), and share one ``cache_limit`` in proportion to their sizes
 (`dlpipe.loading.remote.share_limit`).
@@ -41,6 +43,7 @@ from dlpipe.loading.mixing import (
 from dlpipe.loading.order import EpochSampler
 from dlpipe.loading.remote import share_limit
 from dlpipe.loading.state import is_int, shown
+from dlpipe.loading.targets import TARGET_TASKS, TargetSpec
 from dlpipe.loading.transforms import image_field
 from dlpipe.manifest import Manifest
 
@@ -216,17 +219,39 @@ def _epoch_samples(value: Any, total: int, rule: str) -> int:
 def _check_fields(sources: list[MapDataset], names: list[str], config: LoaderConfig) -> None:
     """The sources share a task and, for the image transforms, an image field."""
     tasks = {name: source.manifest.task for name, source in zip(names, sources, strict=True)}
-    if set(tasks.values()) - {None, "classification"}:
+    if set(tasks.values()) - {None, "classification"} and len(set(tasks.values())) > 1:
         raise LoaderConfigError(
-            f"the mixture's sources are of the tasks {tasks}: a mixture reads classification "
-            "datasets (or unlabelled ones); load a detection or segmentation dataset alone"
+            f"the mixture's sources are of the tasks {tasks}: a mixture reads datasets of one "
+            "task (classification and unlabelled ones mix); mix datasets of the same task"
         )
+    _check_targets(sources, names)
     if config.transform in ("train", "eval", "auto"):
         fields = {name: _image_field(source) for name, source in zip(names, sources, strict=True)}
         if len(set(fields.values())) > 1:
             raise LoaderConfigError(
                 f"the mixture's sources keep their images in different fields ({fields}); "
                 "the image transforms read one field: convert them alike"
+            )
+
+
+def _check_targets(sources: list[MapDataset], names: list[str]) -> None:
+    """Detection sources all carry instance masks or none; segmentation sources share an
+    ignore value (one batch, one loss)."""
+    task = sources[0].manifest.task
+    if task not in TARGET_TASKS:
+        return
+    specs = {}
+    for name, source in zip(names, sources, strict=True):
+        try:
+            specs[name] = TargetSpec.from_manifest(source.manifest)
+        except ValueError as exc:
+            raise LoaderConfigError(f"mixture source {name}: {exc}") from None
+    for what, attr in (("instance masks", "instance_masks"), ("ignore value", "ignore")):
+        values = {name: getattr(spec, attr) for name, spec in specs.items()}
+        if len(set(values.values())) > 1:
+            raise LoaderConfigError(
+                f"the mixture's {task} sources differ in their {what} ({values}); one batch "
+                f"needs one: convert them alike, or mix only sources that agree"
             )
 
 
@@ -270,12 +295,6 @@ def class_maps(
         labels.append(np.asarray([index[name] for name in mapped], dtype=np.int64))
     if all(np.array_equal(lut, np.arange(len(lut))) for lut in labels):
         return classes, None
-    task = sources[0].manifest.task
-    if task not in (None, "classification"):
-        raise LoaderConfigError(
-            f"the mixture's {task} sources number their classes differently; relabelling "
-            "maps class labels of classification only: convert them with one class list"
-        )
     return classes, labels
 
 

@@ -1,7 +1,8 @@
 """What runs between a loader's DataLoader and its caller: `Stages`, built from the worker
 settings by `make_stages` (the thread engine, `dlpipe.loading.threads`; the GPU decode,
 `dlpipe.loading.device_decode`; the collate that makes a batch of finished samples: its task's,
-`dlpipe.loading.task_collate`, for a detection or segmentation recipe)."""
+`dlpipe.loading.task_collate`, for a detection or segmentation recipe, with the sources'
+indices last over a mixture)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from dlpipe.loading.device_decode import (
     collate_planned,
     decode_device,
 )
-from dlpipe.loading.task_collate import task_collate
+from dlpipe.loading.task_collate import WithSources, task_collate
 from dlpipe.loading.task_transforms import TaskTransform
 from dlpipe.loading.threads import ThreadEngine, collate_pending
 from dlpipe.loading.transforms import ImageTransform
-from dlpipe.loading.views import collate
+from dlpipe.loading.views import MixTransform, collate
 
 __all__ = ["Stages", "make_stages"]
 
@@ -57,8 +58,11 @@ def make_stages(settings: WorkerSettings, config: LoaderConfig, fn: Any) -> tupl
         LoaderConfigError: ``decode="cuda"`` with anything but a classification recipe.
     """
     final: Callable[[list[Any]], Any] = collate
-    if isinstance(fn, TaskTransform):
-        final = task_collate(fn.spec.task)
+    mixed = isinstance(fn, MixTransform)
+    recipe = fn.inners[0] if mixed else fn
+    if isinstance(recipe, TaskTransform):
+        final = task_collate(recipe.spec.task)
+        final = WithSources(final) if mixed else final
     device = None
     if settings.decode == "cuda":
         if isinstance(fn, TaskTransform):

@@ -11,6 +11,10 @@
   and copy to the device. Every sample of a batch has one size (the train crop, the eval
   resize), else a `BatchShapeError` naming the sizes.
 
+Over a mixture (`WithSources`), each sample's source index comes last, as a classification
+mixture's does: ``(images, targets, sources)``, ``(images, masks, sources)``, sources an
+int64 (N,) batch.
+
 Images are stacked as `dlpipe.loading.views.stack_in_memory_order` stacks classification
 crops: channels-last samples make a channels-last batch, into shared memory in a worker.
 """
@@ -23,9 +27,16 @@ from typing import Any
 import torch
 
 from dlpipe.errors import DlpipeError
+from dlpipe.loading.targets import batch_for_transfer
 from dlpipe.loading.views import stack_in_memory_order
 
-__all__ = ["BatchShapeError", "collate_detection", "collate_segmentation", "task_collate"]
+__all__ = [
+    "BatchShapeError",
+    "WithSources",
+    "collate_detection",
+    "collate_segmentation",
+    "task_collate",
+]
 
 
 class BatchShapeError(DlpipeError, ValueError):
@@ -38,7 +49,7 @@ def collate_detection(
     """(image, target) pairs → (a uint8 batch, or a list of images when sizes differ; the list
     of targets)."""
     images = [image for image, _ in batch]
-    targets = [target for _, target in batch]
+    targets = batch_for_transfer([target for _, target in batch])  # few fds between processes
     if len({tuple(image.shape) for image in images}) == 1:
         return stack_in_memory_order(images), targets
     return images, targets
@@ -64,6 +75,18 @@ def collate_segmentation(
     if len({mask.dtype for mask in masks}) > 1:
         masks = [mask.to(torch.int64) for mask in masks]
     return images, stack_in_memory_order(masks)
+
+
+class WithSources:
+    """A mixture's collate: `collate`'s batch of the samples without their last item (the
+    source index), then the sources as an int64 (N,) batch."""
+
+    def __init__(self, collate: Callable[[Any], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, batch: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
+        sources = torch.tensor([sample[-1] for sample in batch], dtype=torch.int64)
+        return (*self.collate([sample[:-1] for sample in batch]), sources)
 
 
 def task_collate(task: str) -> Callable[[Any], Any]:

@@ -101,36 +101,70 @@ class MixView(torch.utils.data.Dataset):
 
 
 class MixTransform:
-    """A mixture's per-sample transform: `inner`'s output with the sample's source index
-    appended (``(image, label)`` → ``(image, label, source)``; any other output ``x`` →
-    ``(x, source)``), its class label mapped onto the mixture's classes by `labels`.
+    """A mixture's per-sample transform: its source's transform (`inners`, one per source:
+    a detection or segmentation recipe checks each source's targets against its own
+    classes) with the sample's source index appended (``(image, label)`` →
+    ``(image, label, source)``, ``(image, target)`` → ``(image, target, source)``; any other
+    output ``x`` → ``(x, source)``), its class labels mapped onto the mixture's classes by
+    `labels`: a class label, a detection target's ``labels``, a segmentation label map's
+    values (those past the source's classes, such as an ignore value, kept).
 
     Args:
-        inner: the loader's transform (seeded by position or not).
+        inners: each source's transform (seeded by position or not).
         labels: per source, its label index → the mixture's; None: unchanged.
     """
 
     seeded_by_position = True
 
-    def __init__(self, inner: Callable[..., Any], labels: list[Any] | None) -> None:
-        self.inner, self.labels = inner, labels
+    def __init__(self, inners: list[Callable[..., Any]], labels: list[Any] | None) -> None:
+        self.inners = inners
+        self.maps = None if labels is None else [_label_map(lut) for lut in labels]
 
     def __call__(self, sample: Sample, epoch: int = 0, index: int = 0) -> Any:
         source = int(sample[SOURCE_FIELD])
-        out = apply_transform(self.inner, sample, epoch, index)
+        out = apply_transform(self.inners[source], sample, epoch, index)
         if not isinstance(out, tuple):
             return out, source
-        if self.labels is not None and len(out) == 2 and isinstance(out[1], int) and out[1] >= 0:
-            out = (out[0], int(self.labels[source][out[1]]))
+        if self.maps is not None and len(out) == 2:
+            out = (out[0], _relabelled(out[1], self.maps[source]))
         return (*out, source)
 
 
-def tag_sources(dataset: Opened, transform: Callable[..., Any] | None) -> Callable[..., Any] | None:
-    """`transform` as a loader over `dataset` runs it: over a mixture, a `MixTransform`
-    (raw samples, `transform` None, keep their ``__source__`` field instead)."""
-    if not isinstance(dataset, MixedDataset) or transform is None:
-        return transform
-    return MixTransform(transform, dataset.labels)
+def _label_map(lut: Any) -> torch.Tensor:
+    """A source's label lookup table, as int64, the identity past its classes (up to 255:
+    a uint8 label map's ignore value stays what it was)."""
+    table = torch.arange(max(256, len(lut)), dtype=torch.int64)
+    table[: len(lut)] = torch.as_tensor(lut, dtype=torch.int64)
+    return table
+
+
+def _relabelled(target: Any, table: torch.Tensor) -> Any:
+    """`target` (a class index, a detection target, a label map) with its classes looked up
+    in `table`."""
+    if isinstance(target, int):
+        return int(table[target]) if 0 <= target < len(table) else target
+    if isinstance(target, dict) and "labels" in target:
+        return {**target, "labels": table[target["labels"]]}
+    if isinstance(target, torch.Tensor) and not target.is_floating_point():
+        plain = target.as_subclass(torch.Tensor)
+        if plain.dtype != torch.uint8 and plain.max() >= len(table):
+            return plain  # values past 255 are neither classes nor looked up
+        return table[plain.long()].to(plain.dtype)
+    return target
+
+
+def tag_sources(
+    dataset: Opened, make: Callable[[PreparedDataset], Callable[..., Any] | None]
+) -> Callable[..., Any] | None:
+    """The transform a loader over `dataset` runs: `make` of it, or over a mixture a
+    `MixTransform` of `make` of each source (raw samples, `make` giving None: the samples
+    keep their ``__source__`` field instead)."""
+    if not isinstance(dataset, MixedDataset):
+        return make(dataset)
+    inners = [make(source) for source in dataset.sources]
+    if any(inner is None for inner in inners):
+        return None
+    return MixTransform(inners, dataset.labels)  # type: ignore[arg-type]
 
 
 class Piece(NamedTuple):
