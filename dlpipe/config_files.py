@@ -6,7 +6,9 @@ name is also accepted at the top level. A config file is untrusted input: a regu
 most `MAX_CONFIG_BYTES`, UTF-8; an unknown key is refused with the keys there are. A string
 for a number option is read as its flag reads it (``shard_bytes = "256MB"``). A list option
 (``tuple[K, ...]``) is an array (``weights = [0.7, 0.3]``; one value alone is a list of one)
-and is written back as one.
+and is written back as one. A table option (``Mapping[str, ...]``) is a table
+(``class_map = { "1" = { kitty = "cat" } }``), written back as its own ``[section.name.KEY]``
+tables after its section's keys.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _take(
         where = ".".join((*at, key))
         if isinstance(value, Mapping) and key in sections:
             _take(value, (*at, key), specs, path, values)
-        elif key in here and not isinstance(value, Mapping):
+        elif key in here:  # a table for another option is that option's type error
             spec = here[key]
             value = _as_flag_reads(spec, value, f"config file {path}: {where}")
             problem = spec.problem(value)
@@ -170,16 +172,27 @@ def _toml_of(config: Any, at: tuple[str, ...], omit: frozenset[str]) -> str:
     hints = typing.get_type_hints(type(config))
     plain: dict[str, Any] = {}
     unset: list[str] = []
+    tables: list[str] = []  # a table option's own [section.name.KEY] tables
     sections: list[str] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if "help" in f.metadata and (f.metadata["name"] or f.name) not in omit:
             if value is None:
                 unset.append(f"# {f.name} = (unset)\n")
+            elif isinstance(value, Mapping):
+                tables.append(tomli_w.dumps(_nested_under((*at, f.name), value)))
             else:
                 plain[f.name] = value
         elif dataclasses.is_dataclass(hints[f.name]):
             sections.append(_toml_of(value, (*at, f.name), omit))
     body = tomli_w.dumps(plain) + "".join(unset)
     header = f"[{'.'.join(at)}]\n" if at and body else ""
-    return "\n".join(text for text in [header + body, *sections] if text)
+    return "\n".join(text for text in [header + body, *tables, *sections] if text)
+
+
+def _nested_under(at: tuple[str, ...], value: Mapping[str, Any]) -> dict[str, Any]:
+    """`value` as the table at path `at` of a TOML document (``{"a": {"b": value}}``)."""
+    table = dict(value)
+    for part in reversed(at):
+        table = {part: table}
+    return table

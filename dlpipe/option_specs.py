@@ -8,6 +8,10 @@ A field typed ``tuple[K, ...]`` (K an int, float or str; optionally ``| None``) 
 option: its flag takes one or more values, its TOML value is an array and its keyword a
 tuple or list, each item checked by K and the field's rule; one value alone is a list of
 one (so ``path = "data"`` reads as ``path = ["data"]``), and the value is kept as a tuple.
+A field typed ``Mapping[str, str]`` or ``Mapping[str, Mapping[str, str]]`` (optionally ``|
+None``) is a table option: its flag takes words of ``NAME=VALUE,...`` (two levels: ``KEY:NAME=
+VALUE,...``, `dlpipe.option_values.table_word`), its TOML value is a table, its keyword a
+mapping; each value is checked by the field's rule, and the value is kept as a dict.
 The public names are re-exported by `dlpipe.options`, the face of the mechanism.
 """
 
@@ -100,6 +104,7 @@ class OptionSpec:
     choices: tuple[str, ...] | None
     metavar: str | None
     many: bool = False  # a list option (``tuple[kind, ...]``): a tuple of items
+    table: int = 0  # a table option: the levels of str-keyed tables around its str values
 
     @property
     def attr(self) -> str:
@@ -117,6 +122,8 @@ class OptionSpec:
         checked in turn."""
         if value is None and self.optional:
             return None
+        if self.table:
+            return self._table_problem(value, self.table)
         if not self.many:
             return self._item_problem(value)
         items = items_of(value)
@@ -130,7 +137,30 @@ class OptionSpec:
                 )
         return None
 
-    def _item_problem(self, value: Any) -> str | None:
+    def _table_problem(self, value: Any, depth: int) -> str | None:
+        """What is wrong with `value` as a table of `depth` levels (a key, then its value)."""
+        if not isinstance(value, Mapping):
+            given = type(value).__name__
+            shape = "a table of names" if depth == 1 else "a table of tables of names"
+            optional = " or None" if self.optional and depth == self.table else ""
+            return f"{_cut(repr(value))} is {_article(given)} {given}; give {shape}{optional}"
+        for key, item in value.items():
+            if not isinstance(key, str):
+                given = type(key).__name__
+                return f"key {_cut(repr(key))} is {_article(given)} {given}; give a str"
+            problem = (
+                self._table_problem(item, depth - 1)
+                if depth > 1
+                else self._item_problem(item, optional=False)
+            )
+            if problem is not None:
+                return f"at {_cut(repr(key))}: {problem}"
+        return None
+
+    def _item_problem(self, value: Any, *, optional: bool | None = None) -> str | None:
+        """What is wrong with one value or item (`optional`: whether to say None is allowed,
+        default the option's)."""
+        optional = self.optional if optional is None else optional
         wanted: tuple[type, ...] = {"bool": (bool,), "int": (int,), "str": (str,)}.get(
             self.kind, (int, float)
         )
@@ -140,7 +170,7 @@ class OptionSpec:
                 f"{_cut(repr(value))} is {_article(given)} {given}; give {_article(self.kind)} "
                 f"{self.kind}"
                 + (f" or a list of {self.kind}s" if self.many else "")
-                + (" or None" if self.optional else "")
+                + (" or None" if optional else "")
             )
         if self.parse is not None:
             try:
@@ -163,10 +193,17 @@ class OptionSpec:
             return None
         if self.many:
             return tuple(self._item(item) for item in items_of(value))
+        if self.table:
+            return _table_copy(value)
         return self._item(value)
 
     def _item(self, value: Any) -> Any:
         return float(value) if self.kind == "float" else value
+
+
+def _table_copy(table: Mapping[str, Any]) -> dict[str, Any]:
+    """A table option's value as plain nested dicts (a caller's mapping is not kept)."""
+    return {k: _table_copy(v) if isinstance(v, Mapping) else v for k, v in table.items()}
 
 
 def option_specs(cls: type) -> list[OptionSpec]:
@@ -175,7 +212,8 @@ def option_specs(cls: type) -> list[OptionSpec]:
 
     Raises:
         TypeError: two options share a flat name, or an option's type is not a bool, int,
-            float or str, or a ``tuple[...]`` of int, float or str (optionally ``| None``).
+            float or str, a ``tuple[...]`` of int, float or str, or a table of str
+            (``Mapping[str, str]``, ``Mapping[str, Mapping[str, str]]``), optionally ``| None``.
     """
     specs = list(_specs(cls, ()))
     names = [s.name for s in specs]
@@ -200,7 +238,7 @@ def _specs(cls: type, prefix: tuple[str, ...]) -> tuple[OptionSpec, ...]:
 
 def _spec_of(f: dataclasses.Field[Any], hint: Any, path: tuple[str, ...]) -> OptionSpec:
     facts = f.metadata
-    kind, optional, many = _kind_of(hint, path)
+    kind, optional, many, table = _kind_of(hint, path)
     name = facts["name"] or f.name
     default = f.default_factory() if f.default_factory is not MISSING else f.default
     flag = "--" + name.replace("_", "-") if facts["flag"] is None else facts["flag"]
@@ -216,11 +254,13 @@ def _spec_of(f: dataclasses.Field[Any], hint: Any, path: tuple[str, ...]) -> Opt
         choices=facts["choices"],
         metavar=facts["metavar"],
         many=many,
+        table=table,
     )
 
 
-def _kind_of(hint: Any, path: tuple[str, ...]) -> tuple[str, bool, bool]:
-    """(the kind of the value or of a list option's items, None allowed, a list option)."""
+def _kind_of(hint: Any, path: tuple[str, ...]) -> tuple[str, bool, bool, int]:
+    """(the kind of the value or of a list or table option's items, None allowed, a list
+    option, a table option's levels)."""
     parts = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if typing.get_origin(hint) is typing.Union:
         parts = typing.get_args(hint)
@@ -228,21 +268,34 @@ def _kind_of(hint: Any, path: tuple[str, ...]) -> tuple[str, bool, bool]:
     if len(kinds) != 1 or kinds[0] is None:
         raise TypeError(
             f"option {'.'.join(path)}: type {hint} is not bool, int, float or str, nor a "
-            "tuple[K, ...] of int, float or str"
+            "tuple[K, ...] of int, float or str, nor a Mapping[str, str] or "
+            "Mapping[str, Mapping[str, str]]"
         )
-    kind, many = kinds[0]
-    return kind, len(parts) > 1, many
+    kind, many, table = kinds[0]
+    return kind, len(parts) > 1, many, table
 
 
-def _item_kind(hint: Any) -> tuple[str, bool] | None:
-    """(kind, is a list option) of one part of an option's type, or None when it is none."""
+def _item_kind(hint: Any) -> tuple[str, bool, int] | None:
+    """(kind, is a list option, a table's levels) of one part of an option's type, or None
+    when it is none."""
     if hint in _KINDS:
-        return _KINDS[hint], False
+        return _KINDS[hint], False, 0
     args = typing.get_args(hint)
     if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
         kind = _KINDS.get(args[0])
-        return (kind, True) if kind in _ITEM_KINDS else None
-    return None
+        return (kind, True, 0) if kind in _ITEM_KINDS else None
+    table = _table_levels(hint)
+    return ("str", False, table) if table else None
+
+
+def _table_levels(hint: Any) -> int:
+    """1 for ``Mapping[str, str]``, 2 for ``Mapping[str, Mapping[str, str]]``, else 0."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) not in (Mapping, dict) or len(args) != 2 or args[0] is not str:
+        return 0
+    if args[1] is str:
+        return 1
+    return 2 if _table_levels(args[1]) == 1 else 0
 
 
 def items_of(value: Any) -> tuple[Any, ...]:
@@ -253,8 +306,9 @@ def items_of(value: Any) -> tuple[Any, ...]:
 class Checked:
     """A config dataclass whose `__post_init__` checks each of its own option fields by its
     rule (`OptionSpec.check`), so a config made in Python is refused as the CLI refuses it,
-    and keeps a list option's value as a tuple (a list, or one value alone, given); a
-    subclass may raise its own `OptionError` subclass (`option_error`)."""
+    and keeps a list option's value as a tuple (a list, or one value alone, given) and a
+    table option's as a dict; a subclass may raise its own `OptionError` subclass
+    (`option_error`)."""
 
     option_error: ClassVar[type[OptionError]] = OptionError
 
@@ -267,7 +321,7 @@ class Checked:
             problem = spec.problem(value)
             if problem is not None:
                 raise self.option_error(f"argument {spec.shown_flag}: {problem}")
-            if spec.many and value is not None:
+            if (spec.many or spec.table) and value is not None:
                 object.__setattr__(self, spec.attr, spec.check(value))  # frozen ones too
 
 
@@ -300,7 +354,7 @@ def build_config(cls: type[T], values: Mapping[str, Any]) -> T:
 def _made(cls: type[T], tree: Mapping[str, Any]) -> T:
     hints = typing.get_type_hints(cls)
     kwargs = {
-        key: _made(hints[key], value) if isinstance(value, dict) else value
+        key: _made(hints[key], value) if dataclasses.is_dataclass(hints[key]) else value
         for key, value in tree.items()
     }
     return cls(**kwargs)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 __all__ = [
     "area_share",
@@ -22,6 +23,8 @@ __all__ = [
     "parse_size",
     "positive_float",
     "positive_int",
+    "table_text",
+    "table_word",
 ]
 
 
@@ -113,3 +116,38 @@ def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
         return text
 
     return parse
+
+
+def table_word(text: str, depth: int) -> dict[str, Any]:
+    """One word of a table option's flag as a table: ``"kitty=cat,doggo=dog"`` (`depth` 1) →
+    ``{"kitty": "cat", "doggo": "dog"}``; ``"1:kitty=cat"`` (`depth` 2) → ``{"1": {"kitty":
+    "cat"}}`` (the key ends at the first colon, each name at its ``=``; names keep inner
+    spaces, not commas).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the word and the spelling.
+    """
+    spelling = "NAME=VALUE[,NAME=VALUE...]" if depth == 1 else "KEY:NAME=VALUE[,NAME=VALUE...]"
+    if depth == 2:
+        key, colon, rest = text.partition(":")
+        if not colon or not key.strip():
+            raise argparse.ArgumentTypeError(f"{text!r} is not {spelling}")
+        try:
+            return {key.strip(): table_word(rest, 1)}
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {spelling}") from None
+    pairs = [piece.partition("=") for piece in text.split(",") if piece.strip()]
+    if not pairs or not all(eq and name.strip() and value.strip() for name, eq, value in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {spelling}")
+    return {name.strip(): value.strip() for name, _, value in pairs}
+
+
+def table_text(table: Mapping[str, Any]) -> str:
+    """A table as its flag spells it (`table_word`'s words, space-separated): ``{"1":
+    {"kitty": "cat"}}`` → ``1:kitty=cat``."""
+    words = [
+        f"{key}:{table_text(value)}" if isinstance(value, Mapping) else f"{key}={value}"
+        for key, value in table.items()
+    ]
+    nested = any(isinstance(value, Mapping) for value in table.values())
+    return (" " if nested else ",").join(words)

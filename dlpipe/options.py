@@ -12,7 +12,10 @@ help line, its default and its rule, and is at once
 checked by one rule (`OptionSpec.check`), so a bad value gets the same message from each.
 A list option (a field typed ``tuple[K, ...]``) takes several values: positional, as words
 (``dlpipe train A B``); as a flag, as words or separated by commas (``--weights 0.7 0.3`` and
-``--weights 0.7,0.3`` are the same); in TOML an array; in Python a tuple or list.
+``--weights 0.7,0.3`` are the same); in TOML an array; in Python a tuple or list. A table
+option (a field typed ``Mapping[str, str]`` or ``Mapping[str, Mapping[str, str]]``) maps names:
+as a flag, words of ``NAME=VALUE,...`` or ``KEY:NAME=VALUE,...`` that add up, the flag given
+again too (``--class-map 1:kitty=cat,doggo=dog``); in TOML a table; in Python a mapping.
 Order of precedence everywhere: the dataclass defaults < ``--config FILE`` < flags given
 (`config_from_args`). `config_toml` writes the resolved config, which reads back the same.
 
@@ -59,6 +62,8 @@ from dlpipe.option_values import (
     parse_size,
     positive_float,
     positive_int,
+    table_text,
+    table_word,
 )
 
 __all__ = [
@@ -68,6 +73,7 @@ __all__ = [
     "MissingOptionError",
     "OptionError",
     "OptionSpec",
+    "TableFlag",
     "add_config_command",
     "add_config_flag",
     "add_options",
@@ -91,6 +97,8 @@ __all__ = [
     "read_config_file",
     "read_toml",
     "table_options",
+    "table_text",
+    "table_word",
     "write_config_file",
 ]
 
@@ -104,7 +112,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Collection[
     a ``--config`` file can set what no flag gave; a bool is a switch (``store_const`` True,
     and ``--no-NAME`` when its default is True); a positional option with a default may be
     left out. A list option takes one or more values: positional, as words; as a flag, as
-    words or comma-separated (`ListFlag`).
+    words or comma-separated (`ListFlag`). A table option's flag takes one or more words
+    (`TableFlag`).
     """
     for spec in option_specs(cls):
         if spec.name in skip or not spec.flag:
@@ -116,6 +125,15 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Collection[
                 nargs = "+" if spec.default is MISSING else "*"
             parser.add_argument(
                 spec.name, metavar=spec.flag, nargs=nargs, type=_item_type(spec), help=spec.help
+            )
+        elif spec.table:
+            parser.add_argument(
+                spec.flag,
+                dest=spec.name,
+                nargs="+",
+                action=functools.partial(TableFlag, depth=spec.table),  # type: ignore[arg-type]
+                metavar=spec.metavar,
+                help=spec.help,
             )
         elif spec.many:
             parser.add_argument(
@@ -177,6 +195,42 @@ class ListFlag(argparse.Action):
         except ValueError:
             name = getattr(self.read, "__name__", "value")
             raise argparse.ArgumentError(self, f"invalid {name} value: {piece!r}") from None
+
+
+class TableFlag(argparse.Action):
+    """A table option's flag: each word one entry, ``NAME=VALUE,...`` or, two levels deep,
+    ``KEY:NAME=VALUE,...`` (`table_word`); the words, and the flag given again, add up into
+    one table, and a name given two values is the parser's error."""
+
+    def __init__(self, *args: Any, depth: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.depth = depth
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        table = getattr(namespace, self.dest, None) or {}
+        for word in values:
+            try:
+                entry = table_word(word, self.depth)
+            except argparse.ArgumentTypeError as exc:
+                raise argparse.ArgumentError(self, str(exc)) from None
+            self._add(table, entry, ())
+        setattr(namespace, self.dest, table)
+
+    def _add(self, table: dict[str, Any], entry: Mapping[str, Any], at: tuple[str, ...]) -> None:
+        for key, value in entry.items():
+            if isinstance(value, Mapping):
+                self._add(table.setdefault(key, {}), value, (*at, key))
+            elif table.setdefault(key, value) != value:
+                name = ":".join((*at, key))
+                raise argparse.ArgumentError(
+                    self, f"{name} is given {table[key]!r} and {value!r}; give it one value"
+                )
 
 
 def _with_default(spec: OptionSpec) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from dlpipe.options import (
     option,
     option_specs,
     read_config_file,
+    table_text,
 )
 
 
@@ -423,4 +425,105 @@ def test_a_list_of_another_kind_is_not_an_option() -> None:
     for hint in ("tuple[bool, ...]", "tuple[str, int]", "list[str]"):
         cls = type("Bad", (), {"__annotations__": {"items": hint}, "items": option("x")})
         with pytest.raises(TypeError, match="nor a tuple"):
+            option_specs(dataclass(cls))
+
+
+# --- table options: a field typed Mapping[str, str] or Mapping[str, Mapping[str, str]] -----
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mapped(Checked):
+    renames: Mapping[str, str] | None = option("old name=new name", default=None)
+    class_map: Mapping[str, Mapping[str, str]] | None = option("per source", default=None)
+    inner: Inner = field(default_factory=Inner)
+
+
+def _mapped(argv: list[str]) -> Mapped:
+    parser = argparse.ArgumentParser()
+    add_options(parser, Mapped)
+    add_config_flag(parser)
+    return config_from_args(parser.parse_args(argv), Mapped)
+
+
+def test_a_table_option_is_flag_words_a_toml_table_and_a_mapping(tmp_path: Path) -> None:
+    words = _mapped(
+        [
+            "--renames",
+            "a=b,c=d",
+            "--class-map",
+            "1:kitty=cat",
+            "2:x=y",
+            "--class-map",
+            "1:big cat=cat",
+        ]
+    )
+    wanted = {"1": {"kitty": "cat", "big cat": "cat"}, "2": {"x": "y"}}
+    assert words == Mapped(renames={"a": "b", "c": "d"}, class_map=wanted)
+    assert words.class_map == wanted and type(words.class_map) is dict
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'renames = { a = "b", c = "d" }\n[class_map]\n1 = { kitty = "cat", "big cat" = "cat" }\n'
+        '2 = { x = "y" }\n'
+    )
+    assert build_config(Mapped, read_config_file(str(path), Mapped)) == words
+    path.write_text(config_toml(words))
+    written = path.read_text()
+    assert '[class_map.1]\nkitty = "cat"\n"big cat" = "cat"\n' in written
+    assert written.index("[class_map.2]") < written.index("[inner]")  # before the sections
+    assert build_config(Mapped, read_config_file(str(path), Mapped)) == words
+    assert table_text(words.class_map) == "1:kitty=cat,big cat=cat 2:x=y"
+
+
+@pytest.mark.parametrize(
+    ("value", "rule"),
+    [
+        ({"1": "cat"}, "at '1': 'cat' is a str; give a table of names"),
+        ({"1": {"kitty": 3}}, "at '1': at 'kitty': 3 is an int; give a str"),
+        ("1:kitty=cat", "'1:kitty=cat' is a str; give a table of tables of names or None"),
+    ],
+)
+def test_a_table_of_the_wrong_shape_is_one_message_from_the_file_and_python(
+    tmp_path: Path, value: Any, rule: str
+) -> None:
+    with pytest.raises(OptionError, match=re.escape(f"argument --class-map: {rule}")):
+        Mapped(class_map=value)
+    path = tmp_path / "c.toml"
+    path.write_text(f"class_map = {_toml_value(value)}\n")
+    with pytest.raises(OptionError, match=re.escape(rule)):
+        read_config_file(str(path), Mapped)
+
+
+def _toml_value(value: Any) -> str:
+    import tomli_w
+
+    return tomli_w.dumps({"v": [value]})[len("v = [\n    ") : -len(",\n]\n")]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--class-map", "kitty=cat"], "'kitty=cat' is not KEY:NAME=VALUE"),
+        (["--class-map", "1:kitty"], "'1:kitty' is not KEY:NAME=VALUE"),
+        (["--renames", "a"], "'a' is not NAME=VALUE"),
+        (["--class-map", "1:a=b", "--class-map", "1:a=c"], "1:a is given 'b' and 'c'; give it one"),
+    ],
+)
+def test_a_bad_table_flag_is_the_parsers_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit):
+        _mapped(argv)
+    err = capsys.readouterr().err
+    assert f"argument {argv[0]}: {message}" in err, err
+
+
+def test_a_table_of_another_kind_is_not_an_option() -> None:
+    for hint in (
+        "Mapping[str, int]",
+        "Mapping[int, str]",
+        "Mapping[str, Mapping[str, Mapping[str, str]]]",
+    ):
+        cls = type("Bad", (), {"__annotations__": {"items": hint}, "items": option("x")})
+        cls.__module__ = __name__
+        with pytest.raises(TypeError, match="nor a Mapping"):
             option_specs(dataclass(cls))

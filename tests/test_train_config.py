@@ -22,6 +22,7 @@ from dlpipe.options import (
     option,
     option_specs,
     read_config_file,
+    table_text,
 )
 from dlpipe.train.config import (
     ConfigError,
@@ -194,6 +195,8 @@ def _other(spec: OptionSpec) -> Any:
     """A valid value of `spec` other than its default (a list option's: a list of one)."""
     if spec.many:
         return (_other(dataclasses.replace(spec, many=False, default=None)),)
+    if spec.table:  # a table option's: one entry
+        return {"1": {"a": "b"}} if spec.table == 2 else {"a": "b"}
     if spec.choices:
         return next(c for c in spec.choices if c != spec.default)
     if spec.kind == "bool":
@@ -208,6 +211,8 @@ def _other(spec: OptionSpec) -> Any:
 def _argv(spec: OptionSpec, value: Any) -> list[str]:
     if spec.kind == "bool":
         return [spec.flag if value else "--no-" + spec.flag[2:]]
+    if spec.table:
+        return [spec.flag, table_text(value)]
     return [spec.flag, *map(str, value)] if spec.many else [spec.flag, str(value)]
 
 

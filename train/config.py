@@ -447,31 +447,57 @@ def _values(table: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 def _sources_tables(table: Mapping[str, Any], source: str) -> Mapping[str, Any]:
-    """`table` with ``[[data.sources]]`` (each a ``path`` and an optional ``weight``) read as
-    ``[data] path = [...]`` and ``weights = [...]``, which the resolved config writes."""
+    """`table` with ``[[data.sources]]`` (each a ``path``, an optional ``weight`` and optional
+    ``classes``, its class names → the first dataset's) read as ``[data] path = [...]``,
+    ``weights = [...]`` and ``class_map = {"N" = {...}}`` (N: the table's dataset number from
+    0), which the resolved config writes."""
     data = table.get("data")
     if not isinstance(data, Mapping) or "sources" not in data:
         return table
     tables, where = data["sources"], f"config file {source}: data.sources"
     loader = data.get("loader")
-    given = {"path", "weights"} & {*data, *(loader if isinstance(loader, Mapping) else ())}
+    loader = loader if isinstance(loader, Mapping) else {}
+    given = sorted(_SOURCE_KEYS & {*data, *loader})
     _require(
         isinstance(tables, list) and bool(tables) and all(isinstance(t, Mapping) for t in tables),
         f"{where} must be [[data.sources]] tables, each with a path (and a weight)",
     )
     if given:
-        raise ConfigError(f"{where} and data.{min(given)} both name the datasets; give one")
+        raise ConfigError(
+            f"{where} and data.{'loader.' if given[0] in loader else ''}{given[0]} are both "
+            "given; with [[data.sources]] tables, give each dataset's path, weight and classes "
+            "in its table"
+        )
     for number, entry in enumerate(tables, 1):
-        unknown = sorted(set(entry) - {"path", "weight"})
-        _require(not unknown, f"{where} table {number} has {unknown}; a table takes path, weight")
+        unknown = sorted(set(entry) - {"path", "weight", "classes"})
+        _require(
+            not unknown,
+            f"{where} table {number} has {unknown}; a table takes path, weight, classes",
+        )
         _require("path" in entry, f"{where} table {number} has no path; give its dataset's path")
+        _check_classes_table(entry.get("classes", {}), f"{where} table {number}: classes")
     weighted = ["weight" in entry for entry in tables]
     _require(all(weighted) or not any(weighted), f"{where}: give every table a weight, or none")
     rest = {key: value for key, value in data.items() if key != "sources"}
     rest["path"] = [entry["path"] for entry in tables]
     if all(weighted):
         rest["weights"] = [entry["weight"] for entry in tables]
+    maps = {str(i): entry["classes"] for i, entry in enumerate(tables) if "classes" in entry}
+    if maps:
+        rest["class_map"] = maps
     return {**table, "data": rest}
+
+
+_SOURCE_KEYS = {"path", "weights", "class_map"}  # what [[data.sources]] tables set
+
+
+def _check_classes_table(classes: Any, where: str) -> None:
+    """A source table's ``classes``: a table of its class names → the first dataset's."""
+    _require(
+        isinstance(classes, Mapping) and all(isinstance(value, str) for value in classes.values()),
+        f"{where} = {classes!r} is not a table of class names; write classes = "
+        "{ kitty = \"cat\" } (this dataset's class = one of the first dataset's)",
+    )
 
 
 def _nested(
@@ -481,9 +507,10 @@ def _nested(
     section below it moved there: ``[data] image_size = 224``, as config files said it before
     ``[data.loader]``, is ``[data.loader] image_size = 224``."""
     below = {s.name: s for s in specs if s.path[: len(at)] == at and len(s.path) > len(at) + 1}
+    sections = {s.path[len(at)] for s in below.values()}
     out: dict[str, Any] = {}
     for key, value in table.items():
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and key in sections:
             out.setdefault(key, {}).update(_nested(value, (*at, key), specs))
         elif at and key in below:
             node = out
@@ -491,7 +518,7 @@ def _nested(
                 node = node.setdefault(part, {})
             node[below[key].attr] = value
         else:
-            out[key] = value
+            out[key] = value  # (a table option's table is its value)
     return out
 
 

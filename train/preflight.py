@@ -218,8 +218,8 @@ def check_checkpoint(
     world_size: int,
 ) -> None:
     """Refuse a checkpoint this run cannot continue exactly: another model or optimizer,
-    dataset classes or global batch, or another world size on a streaming dataset (naming
-    the first mismatch). Another world size on lmdb or hdf5 resumes (elastic)."""
+    dataset classes, class map or global batch, or another world size on a streaming dataset
+    (naming the first mismatch). Another world size on lmdb or hdf5 resumes (elastic)."""
     ckpt.check_resumable(
         state,
         path,
@@ -230,6 +230,7 @@ def check_checkpoint(
     )
     ckpt.check_same_model(state, path, ckpt.strip_prefixes(model.state_dict()))
     ckpt.check_same_optimizer(state, path, config.optim.optimizer, optimizer)
+    sources.check_same_class_map(state, path, config)
 
 
 def preflight(config: TrainConfig, world_size: int, warn: Callable[[str], None]) -> TrainConfig:

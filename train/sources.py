@@ -3,8 +3,8 @@
 
 A run's ``[data] path`` is one dataset or several; several are one seeded, weighted mixture
 (`dlpipe.loading.mixing`), read through `make_loader` given the list and the ``[data.loader]``
-mixing options (``weights``, ``on_source_end``, ``epoch_samples``). Here is what the trainer
-needs of that, in one place:
+mixing options (``weights``, ``on_source_end``, ``epoch_samples``, ``class_map``). Here is
+what the trainer needs of that, in one place:
 
     path = loader_path(config.data.path)      # "A", or ["A", "B"]: a mixture
     loader = MixtureBatches(make_loader(path, "train", loader_config), rank=rank)
@@ -17,6 +17,13 @@ it up there, so the trainer tunes and saves it there too (`profile_target`). The
 dataset gave an epoch are exact across a resume: a loader state carries each dataset's draws
 when its epoch began (`SOURCE_START`), and the draws in it are global positions, so a state
 taken on N ranks resumes on M with the same counts.
+
+The run's classes are the first dataset's (its manifest's: the model's outputs, the checkpoint's
+``classes``). Another dataset's class names map onto them by name; one the first lacks needs a
+class map (``classes = { kitty = "cat" }`` in its ``[[data.sources]]`` table, ``--class-map
+1:kitty=cat``, written as ``[data.loader] class_map``), checked before torchrun in the user's
+words (`check_sources`). A checkpoint resumes only with the class map it was trained with
+(`check_same_class_map`): another map changes the labels the model learned from.
 """
 
 from __future__ import annotations
@@ -26,15 +33,19 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import tomli_w
 import torch
 
 from dlpipe.loading.config import LoaderConfig
-from dlpipe.loading.state import SAVED_BY_DLPIPE, is_int, mismatch
+from dlpipe.loading.state import SAVED_BY_DLPIPE, is_int, mismatch, shown
+from dlpipe.options import table_text
+from dlpipe.train.checkpoint import CheckpointError
 from dlpipe.train.config import ConfigError, TrainConfig
 
 __all__ = [
     "SOURCE_START",
     "MixtureBatches",
+    "check_same_class_map",
     "check_sources",
     "described",
     "epoch_source_samples",
@@ -46,7 +57,9 @@ __all__ = [
 ]
 
 SOURCE_START = "source_epoch_start"  # in a mixture's state: the draws as its epoch began
-_MIXING = {"weights": None, "on_source_end": "cycle", "epoch_samples": None}  # unset values
+_MIXING = {"weights": None, "on_source_end": "cycle", "epoch_samples": None, "class_map": None}
+_SHOWN_CLASSES = 8  # an error lists this many of a dataset's classes
+_MAX_SHOWN = 300  # characters of a class map in a message
 
 
 def loader_path(paths: Sequence[str]) -> str | list[str]:
@@ -75,11 +88,13 @@ def profile_target(paths: Sequence[str], config: LoaderConfig) -> tuple[str, Loa
 
 def check_sources(config: TrainConfig) -> None:
     """The mixing options fit the datasets given: with one dataset, none is set; with several,
-    the mixture opens as `make_loader` opens it (local lmdb or hdf5 datasets of one task and
-    image field, one weight each, classes that map), so a launcher refuses it before torchrun.
+    every class maps onto the first dataset's (`_check_classes`) and the mixture opens as
+    `make_loader` opens it (local lmdb or hdf5 datasets of one task and image field, one
+    weight each), so a launcher refuses it before torchrun.
 
     Raises:
-        ConfigError: a mixing option with one dataset, or a mixture `make_loader` refuses.
+        ConfigError: a mixing option with one dataset, a class that does not map, or a
+            mixture `make_loader` refuses.
     """
     from dlpipe.loading.config import LoaderConfigError
     from dlpipe.loading.mix_sources import open_sources
@@ -95,22 +110,149 @@ def check_sources(config: TrainConfig) -> None:
                     f"({d.path[0]}): give several DATA paths, or leave {flag} out"
                 )
         return
+    _check_classes(d.path, d.loader.class_map)
     try:
         open_sources(list(d.path), d.train_split, d.loader, rank=0, world_size=1).close()
     except LoaderConfigError as exc:
         raise ConfigError(f"dlpipe train {' '.join(d.path)}: {exc}") from None
 
 
+def _check_classes(paths: Sequence[str], class_map: Mapping[str, Any] | None) -> None:
+    """Each dataset's classes map onto the first's: by name, else by the class map, which names
+    datasets and their own classes (in the user's words: the ``[[data.sources]]`` table's
+    ``classes``, ``--class-map``).
+
+    Raises:
+        ConfigError: a map of no dataset or of a class the dataset lacks, onto a class the
+            first lacks, or a class the first lacks left unmapped.
+    """
+    from dlpipe.manifest import read_manifest
+
+    classes = [list(read_manifest(path).classes) for path in paths]
+    maps, ours = _maps_by_number(paths, class_map), classes[0]
+    for number, (path, own) in enumerate(zip(paths, classes, strict=True)):
+        given = maps.get(number, {})
+        where = (
+            f"the class map of {path} (classes in [[data.sources]] table {number + 1}, or "
+            f"--class-map {number}:...)"
+        )
+        for theirs, mapped in given.items():
+            _must(
+                theirs in own,
+                f"{where} maps {theirs!r}, which is not a class of it ({_names(own)}); map "
+                "its own class names",
+            )
+            _must(
+                mapped in ours,
+                f"{where} maps {theirs!r} onto {mapped!r}, which is not a class of the first "
+                f"dataset {paths[0]} ({_names(ours)}); map it onto one of those",
+            )
+        lacking = [name for name in own if name not in given and name not in ours]
+        if lacking:
+            raise ConfigError(
+                f"{path} has the class {lacking[0]!r}, which the first dataset {paths[0]} "
+                f"lacks ({_names(ours)}), so its label is ambiguous; map it onto one of "
+                f"those: classes = {{ {_toml_pair(lacking[0])} }} in its [[data.sources]] "
+                f"table, or --class-map {number}:{lacking[0]}=CLASS"
+            )
+
+
+def _maps_by_number(
+    paths: Sequence[str], class_map: Mapping[str, Any] | None
+) -> dict[int, dict[str, str]]:
+    """`class_map` keyed by dataset number (its keys: the number, or the path as given)."""
+    out: dict[int, dict[str, str]] = {}
+    for key, renames in (class_map or {}).items():
+        number = list(paths).index(key) if key in paths else -1
+        if str(key).isdigit() and int(key) < len(paths):
+            number = int(key)
+        _must(
+            number >= 0,
+            f"the class map names dataset {key!r}, which is none of the {len(paths)} given; "
+            f"name a dataset by its number, 0..{len(paths) - 1} (0: {paths[0]})",
+        )
+        out[number] = {**out.get(number, {}), **renames}
+    return out
+
+
+def _toml_pair(name: str) -> str:
+    """``kitty = "CLASS"`` (a name TOML must quote, quoted)."""
+    return tomli_w.dumps({name: "CLASS"}).strip()
+
+
+def _names(classes: Sequence[str]) -> str:
+    """``cat, dog`` (or the first few of many) for a message."""
+    listed = ", ".join(classes[:_SHOWN_CLASSES])
+    return listed if len(classes) <= _SHOWN_CLASSES else f"{listed}, ... ({len(classes)} classes)"
+
+
+def _must(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def check_same_class_map(state: Mapping[str, Any], path: str, config: TrainConfig) -> None:
+    """Refuse a checkpoint trained with another class map than this run's (the same map with
+    datasets named by path or number, or with a class mapped onto itself, is the same).
+
+    Raises:
+        CheckpointError: naming both maps and the fix.
+    """
+    paths, saved, now = config.data.path, _saved_class_map(state), config.data.loader.class_map
+    if _effect(paths, saved) == _effect(paths, now):
+        return
+    was, given = (_map_text(m) for m in (saved, now))
+    fix = f"resume with {was}" if saved else "resume without one"
+    raise CheckpointError(
+        f"checkpoint {path} was trained with {was}, and this run gives {given}: another class "
+        f"map changes the labels the model learned; {fix}, or start afresh in another --out"
+    )
+
+
+def _map_text(class_map: Any) -> str:
+    """``--class-map 1:kitty=cat``, or ``no class map``."""
+    if not class_map:
+        return "no class map"
+    if not isinstance(class_map, Mapping) or not all(
+        isinstance(m, Mapping) for m in class_map.values()
+    ):
+        return f"the class map {shown(class_map)}"  # (an untrusted checkpoint's)
+    text = table_text(class_map)
+    return f"--class-map {text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + '...'}"
+
+
+def _saved_class_map(state: Mapping[str, Any]) -> Any:
+    """The class map a checkpoint's config records (None: none, or a checkpoint before it)."""
+    config = state.get("config")
+    data = config.get("data") if isinstance(config, Mapping) else None
+    loader = data.get("loader") if isinstance(data, Mapping) else None
+    return loader.get("class_map") if isinstance(loader, Mapping) else None
+
+
+def _effect(paths: Sequence[str], class_map: Any) -> Any:
+    """What a class map does: per dataset number, the classes it renames (a map that is no
+    table of tables of names is itself, and so differs from every other)."""
+    try:
+        maps = _maps_by_number(paths, class_map)
+    except (ConfigError, AttributeError, TypeError):
+        return class_map
+    renamed = {n: {a: b for a, b in m.items() if a != b} for n, m in maps.items()}
+    return {n: m for n, m in renamed.items() if m}
+
+
 def described(paths: Sequence[str], config: LoaderConfig) -> str:
-    """``A`` or ``A, B (weights 0.7, 0.3; on_source_end cycle)``: the run's data for its
-    start line."""
+    """``A`` or ``A, B (weights 0.7, 0.3; on_source_end cycle)`` (and ``; class map
+    1:kitty=cat``): the run's data for its start line."""
     if len(paths) == 1:
         return paths[0]
     weights = "by size" if config.weights is None else ", ".join(f"{w:g}" for w in config.weights)
-    return f"{', '.join(paths)} (weights {weights}; on_source_end {config.on_source_end})"
+    mapped = f"; class map {table_text(config.class_map)}" if config.class_map else ""
+    return f"{', '.join(paths)} (weights {weights}; on_source_end {config.on_source_end}{mapped})"
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return table_text(value) or "{}"
     if isinstance(value, tuple | list):
         return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
     return str(value)

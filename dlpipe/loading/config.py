@@ -170,7 +170,12 @@ class LoaderConfig:
         parse=int_in_range(1),
         metavar="N",
     )
-    class_map: Mapping[str, Mapping[str, str]] | None = None
+    class_map: Mapping[str, Mapping[str, str]] | None = option(
+        "several datasets: map a dataset's class names onto the first dataset's classes, "
+        "e.g. 1:kitty=cat,doggo=dog (N: the dataset's number, 0 the first)",
+        default=None,
+        metavar="N:THEIRS=OURS",
+    )
     cache_dir: str | None = option(
         "a URL dataset's shard cache: the folder holding one cache per dataset (default: "
         "$DLPIPE_DATA_DIR/cache, else ~/.cache/dlpipe/shards)",
