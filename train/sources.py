@@ -36,6 +36,7 @@ from typing import Any
 import tomli_w
 import torch
 
+from dlpipe.loading.class_maps import ClassMapError, class_map_by_source
 from dlpipe.loading.config import LoaderConfig
 from dlpipe.loading.state import SAVED_BY_DLPIPE, is_int, mismatch, shown
 from dlpipe.options import table_text
@@ -58,7 +59,6 @@ __all__ = [
 
 SOURCE_START = "source_epoch_start"  # in a mixture's state: the draws as its epoch began
 _MIXING = {"weights": None, "on_source_end": "cycle", "epoch_samples": None, "class_map": None}
-_SHOWN_CLASSES = 8  # an error lists this many of a dataset's classes
 _MAX_SHOWN = 300  # characters of a class map in a message
 
 
@@ -88,9 +88,9 @@ def profile_target(paths: Sequence[str], config: LoaderConfig) -> tuple[str, Loa
 
 def check_sources(config: TrainConfig) -> None:
     """The mixing options fit the datasets given: with one dataset, none is set; with several,
-    every class maps onto the first dataset's (`_check_classes`) and the mixture opens as
-    `make_loader` opens it (local lmdb or hdf5 datasets of one task and image field, one
-    weight each), so a launcher refuses it before torchrun.
+    the mixture opens as `make_loader` opens it (lmdb or hdf5 datasets of one task and image
+    field, one weight each, every class mapping onto the first dataset's: a class map's
+    error names its fix in a run's words), so a launcher refuses it before torchrun.
 
     Raises:
         ConfigError: a mixing option with one dataset, a class that does not map, or a
@@ -110,85 +110,27 @@ def check_sources(config: TrainConfig) -> None:
                     f"({d.path[0]}): give several DATA paths, or leave {flag} out"
                 )
         return
-    _check_classes(d.path, d.loader.class_map)
     try:
         open_sources(list(d.path), d.train_split, d.loader, rank=0, world_size=1).close()
+    except ClassMapError as exc:
+        raise ConfigError(_in_train_words(exc)) from None
     except LoaderConfigError as exc:
         raise ConfigError(f"dlpipe train {' '.join(d.path)}: {exc}") from None
 
 
-def _check_classes(paths: Sequence[str], class_map: Mapping[str, Any] | None) -> None:
-    """Each dataset's classes map onto the first's: by name, else by the class map, which names
-    datasets and their own classes (in the user's words: the ``[[data.sources]]`` table's
-    ``classes``, ``--class-map``).
-
-    Raises:
-        ConfigError: a map of no dataset or of a class the dataset lacks, onto a class the
-            first lacks, or a class the first lacks left unmapped.
-    """
-    from dlpipe.manifest import read_manifest
-
-    classes = [list(read_manifest(path).classes) for path in paths]
-    maps, ours = _maps_by_number(paths, class_map), classes[0]
-    for number, (path, own) in enumerate(zip(paths, classes, strict=True)):
-        given = maps.get(number, {})
-        where = (
-            f"the class map of {path} (classes in [[data.sources]] table {number + 1}, or "
-            f"--class-map {number}:...)"
-        )
-        for theirs, mapped in given.items():
-            _must(
-                theirs in own,
-                f"{where} maps {theirs!r}, which is not a class of it ({_names(own)}); map "
-                "its own class names",
-            )
-            _must(
-                mapped in ours,
-                f"{where} maps {theirs!r} onto {mapped!r}, which is not a class of the first "
-                f"dataset {paths[0]} ({_names(ours)}); map it onto one of those",
-            )
-        lacking = [name for name in own if name not in given and name not in ours]
-        if lacking:
-            raise ConfigError(
-                f"{path} has the class {lacking[0]!r}, which the first dataset {paths[0]} "
-                f"lacks ({_names(ours)}), so its label is ambiguous; map it onto one of "
-                f"those: classes = {{ {_toml_pair(lacking[0])} }} in its [[data.sources]] "
-                f"table, or --class-map {number}:{lacking[0]}=CLASS"
-            )
-
-
-def _maps_by_number(
-    paths: Sequence[str], class_map: Mapping[str, Any] | None
-) -> dict[int, dict[str, str]]:
-    """`class_map` keyed by dataset number (its keys: the number, or the path as given)."""
-    out: dict[int, dict[str, str]] = {}
-    for key, renames in (class_map or {}).items():
-        number = list(paths).index(key) if key in paths else -1
-        if str(key).isdigit() and int(key) < len(paths):
-            number = int(key)
-        _must(
-            number >= 0,
-            f"the class map names dataset {key!r}, which is none of the {len(paths)} given; "
-            f"name a dataset by its number, 0..{len(paths) - 1} (0: {paths[0]})",
-        )
-        out[number] = {**out.get(number, {}), **renames}
-    return out
-
-
-def _toml_pair(name: str) -> str:
-    """``kitty = "CLASS"`` (a name TOML must quote, quoted)."""
-    return tomli_w.dumps({name: "CLASS"}).strip()
-
-
-def _names(classes: Sequence[str]) -> str:
-    """``cat, dog`` (or the first few of many) for a message."""
-    listed = ", ".join(classes[:_SHOWN_CLASSES])
-    return listed if len(classes) <= _SHOWN_CLASSES else f"{listed}, ... ({len(classes)} classes)"
-
-
-def _must(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
+def _in_train_words(exc: ClassMapError) -> str:
+    """A class map's error with its fix as a run gives a map: the dataset's ``classes``
+    table or ``--class-map``."""
+    if exc.source is None:
+        return exc.problem
+    n = exc.source
+    if exc.unmapped is None:
+        return f"{exc.problem} (classes in [[data.sources]] table {n + 1}, or --class-map {n}:...)"
+    pair = tomli_w.dumps({exc.unmapped: "CLASS"}).strip()
+    return (
+        f"{exc.problem}: classes = {{ {pair} }} in its [[data.sources]] table, or "
+        f"--class-map {n}:{exc.unmapped}=CLASS"
+    )
 
 
 def check_same_class_map(state: Mapping[str, Any], path: str, config: TrainConfig) -> None:
@@ -233,8 +175,8 @@ def _effect(paths: Sequence[str], class_map: Any) -> Any:
     """What a class map does: per dataset number, the classes it renames (a map that is no
     table of tables of names is itself, and so differs from every other)."""
     try:
-        maps = _maps_by_number(paths, class_map)
-    except (ConfigError, AttributeError, TypeError):
+        maps = class_map_by_source(class_map, paths)
+    except ClassMapError:
         return class_map
     renamed = {n: {a: b for a, b in m.items() if a != b} for n, m in maps.items()}
     return {n: m for n, m in renamed.items() if m}

@@ -11,12 +11,7 @@ through their shard caches, each planned from the mixture's codes that are its s
 (`MixedDataset.follow`), and share one ``cache_limit`` in proportion to their sizes
 (`dlpipe.loading.remote.share_limit`).
 
-Class spaces: the mixture's classes are the first source's. Another source's classes map onto
-them by name, so sources with the same class names mix as they are, in any order; a source with
-a class the first lacks needs ``class_map`` (``{"1": {"kitty": "cat"}}``: the source's index or
-its path as given, then its class name to one of the first source's; several may map to one),
-else one `LoaderConfigError` names the classes. The labels are mapped in the loader's
-transform (`dlpipe.loading.views.MixTransform`).
+Class spaces map by name onto the first source's (`dlpipe.loading.class_maps`).
 """
 
 from __future__ import annotations
@@ -24,12 +19,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch.utils.data
 
+from dlpipe.loading.class_maps import class_maps
 from dlpipe.loading.config import LoaderConfig, LoaderConfigError
 from dlpipe.loading.dataset import MapDataset, PreparedDataset, open_dataset
 from dlpipe.loading.mixing import (
@@ -42,12 +38,12 @@ from dlpipe.loading.mixing import (
 )
 from dlpipe.loading.order import EpochSampler
 from dlpipe.loading.remote import share_limit
-from dlpipe.loading.state import is_int, shown
+from dlpipe.loading.state import is_int
 from dlpipe.loading.targets import TARGET_TASKS, TargetSpec
 from dlpipe.loading.transforms import image_field
 from dlpipe.manifest import Manifest
 
-__all__ = ["MixedDataset", "class_maps", "open_sources", "several_paths"]
+__all__ = ["MixedDataset", "open_sources", "several_paths"]
 
 
 class MixedDataset(torch.utils.data.Dataset):
@@ -161,7 +157,7 @@ def open_sources(
     weights = checked_weights(config.weights, len(sources), rule, [len(s) for s in sources])
     samples = _epoch_samples(config.epoch_samples, sum(len(s) for s in sources), rule)
     _check_fields(sources, names, config)
-    classes, labels = class_maps(sources, names, config.class_map)
+    classes, labels = class_maps([s.manifest for s in sources], names, config.class_map)
     mixture = Mixture(identities, weights, rule, samples)
     return MixedDataset(sources, mixture, classes, labels)
 
@@ -260,74 +256,3 @@ def _image_field(source: MapDataset) -> str | None:
         return image_field(list(source.manifest.fields))
     except ValueError:
         return None
-
-
-def class_maps(
-    sources: list[MapDataset], names: list[str], class_map: Any
-) -> tuple[tuple[str, ...], list[np.ndarray] | None]:
-    """The mixture's classes (the first source's) and each source's label map onto them
-    (None when every source's indices are already the mixture's).
-
-    Raises:
-        LoaderConfigError: a `class_map` key that names no source, a class it maps that the
-            source lacks or onto one the mixture lacks, or a source class with no counterpart.
-    """
-    maps = _class_map_by_source(class_map, names)
-    classes = tuple(sources[0].manifest.classes)
-    index = {name: i for i, name in enumerate(classes)}
-    labels = []
-    for number, source in enumerate(sources):
-        own, given = tuple(source.manifest.classes), maps.get(number, {})
-        unknown = sorted(set(given) - set(own))
-        if unknown:
-            raise LoaderConfigError(
-                f"class_map for {names[number]} maps {unknown}, which are not its classes "
-                f"{list(own)}; map its own class names"
-            )
-        mapped = [given.get(name, name) for name in own]
-        missing = sorted({name for name in mapped if name not in index})
-        if missing:
-            raise LoaderConfigError(
-                f"{names[number]}'s classes {missing} are not among the mixture's classes "
-                f"{list(classes)} (those of {names[0]}), so their labels are ambiguous; map "
-                f'each to one of those: class_map={{"{number}": {{"{missing[0]}": ...}}}}'
-            )
-        labels.append(np.asarray([index[name] for name in mapped], dtype=np.int64))
-    if all(np.array_equal(lut, np.arange(len(lut))) for lut in labels):
-        return classes, None
-    return classes, labels
-
-
-def _class_map_by_source(class_map: Any, names: list[str]) -> dict[int, dict[str, str]]:
-    """`class_map` keyed by source number (its keys: a number or a path as given)."""
-    if class_map is None:
-        return {}
-    if not isinstance(class_map, Mapping):
-        raise LoaderConfigError(
-            f"class_map={shown(class_map)} is not a mapping; pass "
-            '{"SOURCE": {"their_class": "our_class"}} (SOURCE: its index or path)'
-        )
-    out = {}
-    for key, renames in class_map.items():
-        number = _source_number(key, names)
-        if not isinstance(renames, Mapping) or not all(
-            isinstance(a, str) and isinstance(b, str) for a, b in renames.items()
-        ):
-            raise LoaderConfigError(
-                f"class_map[{key!r}]={shown(renames)} is not a mapping of class names to "
-                'class names; pass {"their_class": "our_class"}'
-            )
-        out[number] = dict(renames)
-    return out
-
-
-def _source_number(key: Any, names: list[str]) -> int:
-    if isinstance(key, str) and key in names:
-        return names.index(key)
-    text = str(key) if is_int(key) or isinstance(key, str) else ""
-    if text.isdigit() and int(text) < len(names):
-        return int(text)
-    raise LoaderConfigError(
-        f"class_map key {key!r} names no source; use a source's index (0..{len(names) - 1}) "
-        f"or its path as given ({', '.join(names)})"
-    )
