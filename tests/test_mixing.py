@@ -290,10 +290,17 @@ def test_a_mixture_decoding_on_the_gpu_is_refused_naming_the_cpu(sources) -> Non
         dlpipe.make_loader(sources, "train", config, workers={"decode": "cuda"}, profile=None)
 
 
-def test_a_streaming_source_is_refused_naming_the_conversion(sources, tmp_path) -> None:
-    wds = write_dataset(tmp_path / "w", "wds", {"train": mixed_samples(8)})
-    with pytest.raises(LoaderConfigError, match=r"wds dataset, which streams.*--to lmdb"):
-        _raw([sources[0], wds])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_wds_source_mixes_as_its_lmdb_twin_does(sources, tmp_path, workers) -> None:
+    """A wds source is read by index (its shard readers walk the member headers once): the
+    mixture gives the batches a mixture with an lmdb copy of it gives."""
+    samples = {"train": mixed_samples(16, seed=2)}
+    wds = write_dataset(tmp_path / "w", "wds", samples, max_shard_samples=5)
+    twin = write_dataset(tmp_path / "l", "lmdb", samples, max_shard_samples=5)
+    assert len(dlpipe.read_manifest(wds).split("train").shards) > 1
+    fields = {"weights": (0.5, 0.5), "image_size": 8, "workers": workers}
+    got, want = (_batches(_loader([sources[0], p], **fields)) for p in (wds, twin))
+    assert _same(got, want) and {int(s) for b in got for s in b[2]} == {0, 1}
 
 
 def _renamed_dataset(tmp_path: Path, classes: list[str]) -> str:

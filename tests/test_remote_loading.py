@@ -269,18 +269,20 @@ def _same_batches(a: list[list[Any]], b: list[list[Any]]) -> bool:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("second", ["hdf5", "wds"])
 def test_a_mixture_of_urls_gives_the_local_mixture_exactly(
-    local_sets, s3, proxy, tmp_path, workers
+    local_sets, s3, proxy, tmp_path, workers, second
 ) -> None:
-    urls = [s3(local_sets["lmdb"]), s3(local_sets["hdf5"])]
+    formats = ("lmdb", second)
+    urls = [s3(local_sets[fmt]) for fmt in formats]
     remote = _mix_epochs(urls, workers, cache_dir=str(tmp_path))
-    local = _mix_epochs([local_sets["lmdb"], local_sets["hdf5"]], workers)
+    local = _mix_epochs([local_sets[fmt] for fmt in formats], workers)
     assert len(remote[0]) == 10 and _same_batches(remote, local)
     assert {int(s) for batch in remote[0] for s in batch[2]} == {0, 1}
-    for url in urls:  # the cache holds both datasets: each shard downloaded once
+    for url, fmt in zip(urls, formats, strict=True):  # the cache holds both: one download each
         gets = _shard_gets(proxy, url)
         assert sorted(n for n in gets if n.startswith("train-")) == sorted(
-            p.name for p in local_sets["lmdb" if "lmdb" in url else "hdf5"].glob("train-*")
+            p.name for p in local_sets[fmt].glob("train-*")
         )
         assert all(gets[n] == 1 for n in gets if n.startswith("train-")), gets
 

@@ -88,7 +88,7 @@ def profile_target(paths: Sequence[str], config: LoaderConfig) -> tuple[str, Loa
 
 def check_sources(config: TrainConfig) -> None:
     """The mixing options fit the datasets given: with one dataset, none is set; with several,
-    the mixture opens as `make_loader` opens it (lmdb or hdf5 datasets of one task and image
+    the mixture opens as `make_loader` opens it (datasets of one task and image
     field, one weight each, every class mapping onto the first dataset's: a class map's
     error names its fix in a run's words), so a launcher refuses it before torchrun.
 

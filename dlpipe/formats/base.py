@@ -9,7 +9,7 @@ passes `dlpipe.sample.sample_fields` (the key rule, the field rule, bytes values
 file it is (it cannot be told from one). Format modules add their own structural checks at open.
 
 A format module implements `ShardFileWriter` (add samples to one local file, close it) and
-`ShardReader` (open lazily, iterate, and for random-access formats `get`), then registers a
+`ShardReader` (open lazily, iterate, and where `indexable`, `get`), then registers a
 `ShardFormat`. Temp names, fsync, sha256 and shard entries live here, rotation in
 `dlpipe.formats.writer`, the manifest with its owner `dlpipe.formats.output`: never in a format
 module.
@@ -149,7 +149,9 @@ class ShardReader(ABC):
     """Reads one shard. Opens lazily in the process that uses it, so it is safe to create in a
     parent and use in fork or spawn DataLoader workers; never pickles an open handle."""
 
-    random_access: ClassVar[bool] = False
+    # `get` reads any sample by index; a format's `random_access` says whether its datasets
+    # are read by index (map-style) or streamed
+    indexable: ClassVar[bool] = False
 
     def __init__(self, path: str, info: ShardInfo, fields: Sequence[str]) -> None:
         self.path = path
@@ -290,7 +292,7 @@ class ShardReader(ABC):
                 yield self.get(index)
 
     def get(self, index: int) -> Sample:
-        """Sample `index` (0-based within the shard); random-access formats only."""
+        """Sample `index` (0-based within the shard); indexable readers only."""
         raise TypeError(f"{type(self).__name__} is streaming-only; it has no random access")
 
     def make_sample(self, index: int, key: Any, fields: dict[str, Any]) -> Sample:

@@ -207,7 +207,7 @@ def _checked_offsets(name: str, datasets: dict[str, h5py.Dataset], reader: Hdf5R
 
 
 class Hdf5Reader(ShardReader):
-    random_access = True
+    indexable = True
 
     def _open(self) -> Any:
         return _OpenShard(self)

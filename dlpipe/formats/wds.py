@@ -3,8 +3,10 @@
 Layout: ``{split}-{n:06d}.tar``; each sample is consecutive regular-file members
 ``{key}.{field}`` (POSIX ustar headers, pax for names over 100 bytes; mtime 0, owner 0:0,
 mode 0444, so shards are reproducible). Any
-tar reader and ``webdataset.WebDataset`` read them with no dlpipe code. Streaming only; reads
-from local paths and any fsspec URL.
+tar reader and ``webdataset.WebDataset`` read them with no dlpipe code. A dataset of them
+streams (the format is not random-access), from local paths and any fsspec URL; a local
+shard's reader also answers `WdsReader.get` (a mixture draws its samples by index) from the
+member offsets it walks once from the headers, with every check a pass makes.
 
 On read a shard is untrusted input. Refused, each with a named error, before any data is read:
 a member that is not a plain file (link, folder, device), a name holding a slash, ``..`` or a
@@ -22,16 +24,24 @@ samples or the same error.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import hashlib
+import operator
 import os
+import sys
 import tarfile
-from collections.abc import Callable, Generator, Iterator, Set
+from collections.abc import Callable, Generator, Iterator, Sequence, Set
 from typing import IO, Any, NamedTuple
 
 from dlpipe import storage
-from dlpipe.errors import InvalidFieldError, ShardCorruptError, UnsafeMemberError
+from dlpipe.errors import (
+    InvalidFieldError,
+    ShardCorruptError,
+    UnsafeMemberError,
+    UnsupportedStorageError,
+)
 from dlpipe.formats.base import (
     ShardFileWriter,
     ShardFormat,
@@ -40,6 +50,7 @@ from dlpipe.formats.base import (
     open_regular_file,
     start_writeback,
 )
+from dlpipe.manifest import ShardInfo
 from dlpipe.sample import Sample, check_field_name, check_key
 
 __all__ = ["WDS", "RefusedHeaderError", "StrictTarInfo", "tar_members"]
@@ -185,8 +196,109 @@ class StrictTarInfo(tarfile.TarInfo):
 
 
 class WdsReader(ShardReader):
+    """A tar shard: streamed pass by pass (`iter_from`), or read by index (`get`).
+
+    `get` walks the member headers once, at its first call in a process (each header checked
+    as a pass checks it: the same errors, naming the shard and sample; data seeked over), and
+    keeps each sample's member offsets for the reader's life in that process (never pickled);
+    then a sample is one positioned read per member of a descriptor of its own, so `get` and
+    passes over the same reader never move each other's file position.
+    """
+
+    indexable = True
+
+    def __init__(self, path: str, info: ShardInfo, fields: Sequence[str]) -> None:
+        super().__init__(path, info, fields)
+        self._indexed_file: _IndexedFile | None = None  # this process's, for `get`
+        self._index: _SampleIndex | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_indexed_file": None, "_index": None}
+
     def _open(self) -> Any:
-        return None  # tar shards are opened per pass: a stream has no random access
+        return None  # tar shards are opened per pass (and by `get`, once per process)
+
+    def close(self) -> None:
+        """Close `get`'s descriptor too; the sample index is kept for a later `get`."""
+        if self._indexed_file is not None and self._indexed_file.pid == os.getpid():
+            self._indexed_file.file.close()
+        self._indexed_file = None
+        super().close()
+
+    def get(self, index: int) -> Sample:
+        """Sample `index` (0-based in the shard), read by positioned reads at the offsets the
+        first `get` in this process found; the same sample and checks as a pass gives.
+
+        Raises:
+            IndexError: `index` is not in 0 .. the manifest's count - 1.
+            ShardCorruptError: the shard is refused as a pass refuses it: any member header
+                (`UnsafeMemberError` for an unsafe one), the count, the fields, this sample's
+                bytes.
+            UnsupportedStorageError: the shard is a URL (a dataset reads its cached copy).
+        """
+        index = operator.index(index)
+        if not 0 <= index < self.info.samples:
+            raise IndexError(
+                f"sample {index} is outside shard {self.path}, which holds {self.info.samples}"
+            )
+        opened = self._file_for_get(index)
+        key, members = self._sample_index(opened).sample(index)
+        with self._named_errors([index]):
+            fields = {
+                field: self._read_member(opened.file, index, f"{key}.{field}", offset, size)
+                for field, offset, size in members
+            }
+        return self.make_sample(index, key, fields)
+
+    def _file_for_get(self, index: int) -> _IndexedFile:
+        """This process's descriptor for `get`, opened (with every open-time file check) at
+        its first call here and after `close`."""
+        opened = self._indexed_file
+        if opened is not None and opened.pid == os.getpid():
+            return opened
+        if storage.is_url(self.path):
+            raise UnsupportedStorageError(
+                f"shard {self.path}: reading a wds sample by index needs a local file; "
+                "open the dataset with `dlpipe.open_dataset`, which reads a URL's shards "
+                "from local copies in its shard cache"
+            )
+        self.handle(index)  # a regular file, not a link, of the manifest's size
+        with self._named_errors([index]):
+            f = self._open_file()
+        st = os.fstat(f.fileno())
+        opened = _IndexedFile(os.getpid(), f, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        self._indexed_file = opened
+        return opened
+
+    def _sample_index(self, opened: _IndexedFile) -> _SampleIndex:
+        """Each sample's members, walked from the headers of `opened` unless the file that
+        was walked is the same (device, inode, size, modification time)."""
+        if self._index is None or self._index.file != opened.file_id:
+            self._index = self._walk(opened)
+        return self._index
+
+    def _walk(self, opened: _IndexedFile) -> _SampleIndex:
+        """Every sample's key and members from the headers alone, checked as a pass checks
+        them (a pass's own grouping, its errors at the same sample): each member's kind, name
+        and extent, no duplicate field, the fields of each sample, the count."""
+        position, f, index = [0], opened.file, _SampleIndex(opened.file_id)
+        with self._named_errors(position):
+            shard = _Shard(_recorded(tar_members(f), index), functools.partial(_read_at, f))
+            for key, fields in _group(shard, self, read=False, limit=self.info.samples):
+                if set(fields) != set(self.fields):  # a pass's error for it, from make_sample
+                    self.make_sample(position[0], key, fields)
+                position[0] += 1
+        if position[0] != self.info.samples:
+            raise self.count_mismatch(position[0])
+        return index
+
+    def _read_member(self, f: IO[bytes], index: int, name: str, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset`, read without moving the file position; a member cut
+        short (the file shrank under the reader) is the error a pass gives."""
+        data = _pread(f.fileno(), offset, size)
+        if len(data) != size:
+            raise self.corrupt(f"member {name!r} ends after {len(data)} of its {size} bytes", index)
+        return data
 
     def __iter__(self) -> Iterator[Sample]:
         return self.iter_from(0)
@@ -225,13 +337,18 @@ class WdsReader(ShardReader):
         sample ``position[0]``. A seekable file is read by `tar_members` and member
         data is one seek and read at its offset; a stream goes through tarfile's stream mode."""
         self.handle()  # checks the file and its size against the manifest
+        with self._named_errors(position), self._open_file() as f:
+            if f.seekable():
+                yield _Shard(tar_members(f), functools.partial(_read_at, f))
+            else:
+                with tarfile.open(fileobj=f, mode="r|", tarinfo=StrictTarInfo) as tar:
+                    yield _Shard(_members(tar), functools.partial(_extracted, tar))
+
+    @contextlib.contextmanager
+    def _named_errors(self, position: list[int]) -> Iterator[None]:
+        """tarfile's and the file's errors as named ones at the sample ``position[0]``."""
         try:
-            with self._open_file() as f:
-                if f.seekable():
-                    yield _Shard(tar_members(f), functools.partial(_read_at, f))
-                else:
-                    with tarfile.open(fileobj=f, mode="r|", tarinfo=StrictTarInfo) as tar:
-                        yield _Shard(_members(tar), functools.partial(_extracted, tar))
+            yield
         except ShardCorruptError:
             raise
         except RefusedHeaderError as exc:
@@ -262,6 +379,68 @@ class _Shard(NamedTuple):
 
     members: Iterator[tarfile.TarInfo]
     read: Callable[[tarfile.TarInfo], bytes]
+
+
+_FileId = tuple[int, int, int, int]
+"""A shard file as `os.fstat` tells it: device, inode, size, modification time (ns)."""
+
+
+class _IndexedFile(NamedTuple):
+    """The shard file `get` reads, opened in process `pid`."""
+
+    pid: int
+    file: IO[bytes]
+    file_id: _FileId
+
+
+class _SampleIndex:
+    """Each sample's key and members (field, data offset, size) in shard order, as walked
+    from the headers of the file `file`. Kept flat, about 120 bytes a sample of two fields
+    (tuples would take 500): a process keeps one for each shard it reads by index."""
+
+    def __init__(self, file: _FileId) -> None:
+        self.file = file
+        self._keys: list[str] = []
+        self._first = array.array("q")  # each sample's first member
+        self._fields: list[str] = []  # each member's, interned: a few distinct strings
+        self._offsets = array.array("q")
+        self._sizes = array.array("q")
+
+    def add(self, member: tarfile.TarInfo) -> None:
+        """The next member of the shard: of the last sample added, or the first of the next
+        one when its key differs (as `_group` groups them)."""
+        key, _, field = member.name.partition(".")
+        if not self._keys or self._keys[-1] != key:
+            self._keys.append(key)
+            self._first.append(len(self._offsets))
+        self._fields.append(sys.intern(field))
+        self._offsets.append(member.offset_data)
+        self._sizes.append(member.size)
+
+    def sample(self, index: int) -> tuple[str, Iterator[tuple[str, int, int]]]:
+        """Sample `index`'s key and its members' (field, data offset, size)."""
+        start = self._first[index]
+        stop = self._first[index + 1] if index + 1 < len(self._first) else len(self._offsets)
+        fields, offsets, sizes = self._fields, self._offsets, self._sizes
+        members = zip(fields[start:stop], offsets[start:stop], sizes[start:stop], strict=True)
+        return self._keys[index], members
+
+
+def _recorded(members: Iterator[tarfile.TarInfo], index: _SampleIndex) -> Iterator[tarfile.TarInfo]:
+    """`members`, each added to `index` as it goes by."""
+    for member in members:
+        index.add(member)
+        yield member
+
+
+def _pread(fd: int, offset: int, size: int) -> bytes:
+    """Up to `size` bytes at `offset` of `fd` (fewer only where the file ends), leaving its
+    position alone: one read, more only where the kernel returns less (over 2 GiB)."""
+    parts = []
+    while size > 0 and (part := os.pread(fd, size, offset)):
+        parts.append(part)
+        offset, size = offset + len(part), size - len(part)
+    return b"".join(parts)
 
 
 def _read_at(f: IO[bytes], member: tarfile.TarInfo) -> bytes:

@@ -63,6 +63,7 @@ __all__ = [
     "PreparedDataset",
     "ShardReaders",
     "StreamDataset",
+    "open_by_index",
     "open_dataset",
     "read_manifest_stamped",
     "resolve_rank",
@@ -481,13 +482,51 @@ def open_dataset(
         ShardFetchError, CacheDiskFullError: later, when a remote shard cannot be had intact.
         KeyError: no such split (the message lists the splits).
     """
+    return _opened(
+        path,
+        split,
+        by_index=None,
+        rank=rank,
+        world_size=world_size,
+        transform=transform,
+        cache_dir=cache_dir,
+        cache_limit=cache_limit,
+        version=version,
+    )
+
+
+def open_by_index(path: str | os.PathLike[str], split: str, **options: Any) -> MapDataset:
+    """`open_dataset`, read by index whatever the format: a wds split too (its shard readers
+    answer `get` by walking the member headers once, `dlpipe.formats.wds`), as a mixture
+    reads its sources. `options`: `open_dataset`'s keywords."""
+    dataset = _opened(path, split, by_index=True, **options)
+    if not isinstance(dataset, MapDataset):  # every format's reader answers `get` today
+        raise TypeError(f"{path}: {dataset.manifest.format} shards cannot be read by index")
+    return dataset
+
+
+def _opened(
+    path: str | os.PathLike[str],
+    split: str,
+    *,
+    by_index: bool | None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    transform: Transform | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | str | None = None,
+    version: int | None = None,
+) -> MapDataset | StreamDataset:
+    """`open_dataset`; `by_index` True reads any indexable format by index (None: as its
+    format says)."""
     path = os.fspath(path)
     manifest, stamp = read_manifest_stamped(path)
     if version is not None:
         manifest = manifest.at_version(version)
     fmt = get_format(manifest.format, manifest.format_version)
     rank, world_size = resolve_rank(rank, world_size)
-    cls = MapDataset if fmt.random_access else StreamDataset
+    indexed = fmt.random_access or (by_index and fmt.reader.indexable)
+    cls = MapDataset if indexed else StreamDataset
     remote = None
     if storage.is_url(path):
         shards = [s for info in manifest.splits.values() for s in info.shards]

@@ -2,12 +2,13 @@
 argument (one path: `open_dataset`; a list: a `MixedDataset`) and checks the mixing fields of
 `LoaderConfig` against the sources (`dlpipe.loading.mixing` holds the order and its state).
 
-Sources are random-access datasets (lmdb, hdf5), local or at URLs, of one task
+Sources are datasets of any format (a wds one read by index through its shard readers'
+`get`, `dlpipe.loading.dataset.open_by_index`), local or at URLs, of one task
 (classification and unlabelled ones mix; detection sources all with instance masks or none;
-segmentation sources with one ignore value) and one image field: a streaming (wds) source or
-another mixture is one `LoaderConfigError` naming it and the fix. Each source keeps its own
-recipe (its targets checked against its own classes), its labels then mapped. URL sources read
-through their shard caches, each planned from the mixture's codes that are its samples
+segmentation sources with one ignore value) and one image field; anything else is one
+`LoaderConfigError` naming it and the fix. Each source keeps its own recipe (its targets
+checked against its own classes), its labels then mapped. URL sources read through their
+shard caches, each planned from the mixture's codes that are its samples
 (`MixedDataset.follow`), and share one ``cache_limit`` in proportion to their sizes
 (`dlpipe.loading.remote.share_limit`).
 
@@ -27,7 +28,7 @@ import torch.utils.data
 
 from dlpipe.loading.class_maps import class_maps
 from dlpipe.loading.config import LoaderConfig, LoaderConfigError
-from dlpipe.loading.dataset import MapDataset, PreparedDataset, open_dataset
+from dlpipe.loading.dataset import MapDataset, PreparedDataset, open_by_index, open_dataset
 from dlpipe.loading.mixing import (
     MAX_EPOCH_SAMPLES,
     MIX_RULES,
@@ -133,7 +134,7 @@ def open_sources(
     sources.
 
     Raises:
-        LoaderConfigError: a mixing field given for one dataset, a streaming (wds) source,
+        LoaderConfigError: a mixing field given for one dataset,
             bad weights, an epoch length or rule, or class spaces that do not map (named).
     """
     if not several_paths(path):
@@ -147,7 +148,9 @@ def open_sources(
             "mixture reads several: leave it out (each source is read at its latest version)"
         )
     names = [os.fspath(p) for p in path]
-    sources = [_random_access(name, split, rank, world_size, reading) for name in names]
+    sources = [
+        open_by_index(name, split, rank=rank, world_size=world_size, **reading) for name in names
+    ]
     share_limit([s.readers.remote for s in sources if s.readers.remote], reading.get("cache_limit"))
     identities = tuple(
         SourceIdentity(name, source.stamp.sha256, len(source))
@@ -175,19 +178,6 @@ def _refuse_mixing_fields(config: LoaderConfig) -> None:
                 f"{name}={value!r} mixes several datasets, but one path was given; pass a list "
                 f"of dataset paths, or leave {name} out"
             )
-
-
-def _random_access(
-    name: str, split: str, rank: int | None, world_size: int | None, reading: dict[str, Any]
-) -> MapDataset:
-    dataset = open_dataset(name, split, rank=rank, world_size=world_size, **reading)
-    if not isinstance(dataset, MapDataset):
-        raise LoaderConfigError(
-            f"mixture source {name} is a {dataset.manifest.format} dataset, which streams: a "
-            "mixture draws samples by index from lmdb or hdf5 sources; convert it with "
-            f"`dlpipe convert {name} --to lmdb --out NEW` and mix that"
-        )
-    return dataset
 
 
 def _rule(value: Any) -> str:
