@@ -21,7 +21,7 @@ from PIL import Image
 
 import dlpipe
 from dlpipe.cli import main
-from dlpipe.formats import wds
+from dlpipe.formats import wds_writer
 
 
 def _tarfile_header(name: str, size: int) -> bytes:
@@ -52,12 +52,12 @@ def _outcome(make_header: Callable[[str, int], bytes], name: str, size: int) -> 
 def test_wds_member_headers_are_the_bytes_tarfile_writes(size) -> None:
     for name in _member_names():
         want = _outcome(_tarfile_header, name, size)
-        assert _outcome(wds._header, name, size) == want, (name, size)
+        assert _outcome(wds_writer._header, name, size) == want, (name, size)
 
 
 def test_a_member_too_large_for_ustar_is_refused_as_tarfile_refuses_it() -> None:
     with pytest.raises(ValueError, match="overflow"):
-        wds._header("big.bin", 8**11)
+        wds_writer._header("big.bin", 8**11)
 
 
 def _jpeg(seed: int, *, progressive: bool = False) -> bytes:
@@ -113,9 +113,11 @@ def test_shards_hashed_while_written_match_their_files_and_cut_jpegs_are_caught(
 
 def test_a_wds_shard_past_the_write_back_step_is_whole_and_hashed_right(tmp_path, monkeypatch):
     started: list[tuple[int, int]] = []
-    real_start = wds.start_writeback
+    real_start = wds_writer.start_writeback
     monkeypatch.setattr(
-        wds, "start_writeback", lambda fd, at, n: (started.append((at, n)), real_start(fd, at, n))
+        wds_writer,
+        "start_writeback",
+        lambda fd, at, n: (started.append((at, n)), real_start(fd, at, n)),
     )
     payloads = [np.random.default_rng(i).bytes(3_000_001 + i) for i in range(4)]
     out = tmp_path / "out"

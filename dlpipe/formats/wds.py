@@ -24,13 +24,10 @@ samples or the same error.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import functools
-import hashlib
 import operator
 import os
-import sys
 import tarfile
 from collections.abc import Callable, Generator, Iterator, Sequence, Set
 from typing import IO, Any, NamedTuple
@@ -43,12 +40,18 @@ from dlpipe.errors import (
     UnsupportedStorageError,
 )
 from dlpipe.formats.base import (
-    ShardFileWriter,
     ShardFormat,
     ShardReader,
     check_schema,
     open_regular_file,
-    start_writeback,
+)
+from dlpipe.formats.wds_index import IndexedFile, SampleIndex, pread, recorded
+from dlpipe.formats.wds_writer import (
+    USTAR_AFTER_SIZE,
+    USTAR_MIDDLE,
+    USTAR_NAME_BYTES,
+    ZERO_BLOCK,
+    WdsWriter,
 )
 from dlpipe.manifest import ShardInfo
 from dlpipe.sample import Sample, check_field_name, check_key
@@ -65,104 +68,7 @@ _REFUSED_TYPES = {
 }
 
 
-class WdsWriter(ShardFileWriter):
-    """Writes members straight to the file, hashing the bytes as they go out.
-
-    tarfile's ``addfile`` copies every member through file objects and builds each header
-    through a ``TarInfo`` (a quarter of a conversion's time, then a tenth); here a header is a
-    template plus name, size and checksum, writes go through a 1 MiB buffer, and the sha256 is
-    taken on the way out, so the finished shard is never read back (benchmarks/convert.py).
-    Every 8 MiB the disk is asked to start writing (`start_writeback`), so the fsync that
-    publishes the shard waits for its last few MiB, not all of it.
-    """
-
-    def __init__(self, path: str, fields: list[str]) -> None:
-        super().__init__(path, fields)
-        self._file = open(path, "wb", buffering=_WRITE_BUFFER_BYTES)  # noqa: SIM115 (close())
-        self._written = 0
-        self._flushed = 0  # bytes handed to the kernel's write-back so far
-        self._digest = hashlib.sha256()
-
-    def add(self, key: str, fields: dict[str, bytes]) -> None:
-        for name, data in fields.items():
-            self._write(_header(f"{key}.{name}", len(data)))
-            self._write(data)
-            if len(data) % tarfile.BLOCKSIZE:
-                self._write(_ZERO_BLOCK[: tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE])
-
-    def _write(self, data: bytes) -> None:
-        self._file.write(data)
-        self._digest.update(data)
-        self._written += len(data)
-        if self._written - self._flushed >= _WRITEBACK_BYTES:
-            self._file.flush()
-            start_writeback(self._file.fileno(), self._flushed, self._written - self._flushed)
-            self._flushed = self._written
-
-    def close(self) -> None:
-        # two zero blocks end the archive; pad to a whole record, as tar(1) and tarfile do
-        end = self._written + 2 * tarfile.BLOCKSIZE
-        self._write(tarfile.NUL * (2 * tarfile.BLOCKSIZE + (-end) % tarfile.RECORDSIZE))
-        self._file.close()
-
-    def sha256(self) -> str:
-        """The hex sha256 of every byte written (the whole file once closed)."""
-        return self._digest.hexdigest()
-
-
-_WRITE_BUFFER_BYTES = 1 << 20
-_WRITEBACK_BYTES = 8 << 20
-
-_ZERO_BLOCK = tarfile.NUL * tarfile.BLOCKSIZE
-_USTAR_NAME_BYTES = tarfile.LENGTH_NAME
-_MAX_USTAR_SIZE = 8**11 - 1  # 11 octal digits: what a ustar size field holds
 _OCTAL = frozenset(b"01234567")
-
-
-def _ustar_template() -> tuple[bytes, bytes, int]:
-    """The fixed parts of dlpipe's ustar header around the name and size, and their checksum.
-
-    Field by field what ``TarInfo.tobuf(USTAR_FORMAT)`` writes for a regular file of mode
-    0444, owner 0:0 with empty names, mtime 0; the checksum field counts as 8 spaces.
-    """
-    middle = b"0000444\0" + b"0000000\0" * 2  # mode, uid, gid (after the 100-byte name)
-    after_size = b"%011o\0" % 0 + b" " * 8 + tarfile.REGTYPE + tarfile.NUL * 100
-    after_size += tarfile.POSIX_MAGIC  # then empty uname, gname, device numbers, prefix
-    after_size += tarfile.NUL * (tarfile.BLOCKSIZE - 124 - 12 - len(after_size))
-    return middle, after_size, sum(middle) + sum(after_size)
-
-
-_USTAR_MIDDLE, _USTAR_AFTER_SIZE, _USTAR_FIXED_SUM = _ustar_template()
-
-
-def _header(name: str, size: int) -> bytes:
-    """A POSIX header for a regular file: ustar when the name fits in 100 bytes, else pax.
-
-    ASCII names of up to 100 bytes (every name dlpipe's key rule makes short enough) take the
-    template; any other name goes through tarfile, which writes the same bytes more slowly.
-    """
-    if not name.isascii() or len(name) > _USTAR_NAME_BYTES or size > _MAX_USTAR_SIZE:
-        return _tarfile_header(name, size)
-    raw = name.encode("ascii")
-    size_field = b"%011o\0" % size
-    checksum = _USTAR_FIXED_SUM + sum(raw) + sum(size_field)
-    # mtime (12 bytes), then the checksum as tarfile writes it: 6 octal digits, NUL, space
-    after = _USTAR_AFTER_SIZE[:12] + b"%06o\0" % checksum + _USTAR_AFTER_SIZE[19:]
-    return b"".join(
-        (raw, tarfile.NUL * (_USTAR_NAME_BYTES - len(raw)), _USTAR_MIDDLE, size_field, after)
-    )
-
-
-def _tarfile_header(name: str, size: int) -> bytes:
-    """`_header` through tarfile's ``TarInfo``: pax for names over 100 bytes."""
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mtime = 0
-    info.mode = 0o444
-    info.uname = info.gname = ""
-    if len(name) <= tarfile.LENGTH_NAME:
-        return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
-    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict")
 
 
 class RefusedHeaderError(Exception):
@@ -209,8 +115,8 @@ class WdsReader(ShardReader):
 
     def __init__(self, path: str, info: ShardInfo, fields: Sequence[str]) -> None:
         super().__init__(path, info, fields)
-        self._indexed_file: _IndexedFile | None = None  # this process's, for `get`
-        self._index: _SampleIndex | None = None
+        self._indexed_file: IndexedFile | None = None  # this process's, for `get`
+        self._index: SampleIndex | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_indexed_file": None, "_index": None}
@@ -250,7 +156,7 @@ class WdsReader(ShardReader):
             }
         return self.make_sample(index, key, fields)
 
-    def _file_for_get(self, index: int) -> _IndexedFile:
+    def _file_for_get(self, index: int) -> IndexedFile:
         """This process's descriptor for `get`, opened (with every open-time file check) at
         its first call here and after `close`."""
         opened = self._indexed_file
@@ -266,24 +172,24 @@ class WdsReader(ShardReader):
         with self._named_errors([index]):
             f = self._open_file()
         st = os.fstat(f.fileno())
-        opened = _IndexedFile(os.getpid(), f, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        opened = IndexedFile(os.getpid(), f, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
         self._indexed_file = opened
         return opened
 
-    def _sample_index(self, opened: _IndexedFile) -> _SampleIndex:
+    def _sample_index(self, opened: IndexedFile) -> SampleIndex:
         """Each sample's members, walked from the headers of `opened` unless the file that
         was walked is the same (device, inode, size, modification time)."""
         if self._index is None or self._index.file != opened.file_id:
             self._index = self._walk(opened)
         return self._index
 
-    def _walk(self, opened: _IndexedFile) -> _SampleIndex:
+    def _walk(self, opened: IndexedFile) -> SampleIndex:
         """Every sample's key and members from the headers alone, checked as a pass checks
         them (a pass's own grouping, its errors at the same sample): each member's kind, name
         and extent, no duplicate field, the fields of each sample, the count."""
-        position, f, index = [0], opened.file, _SampleIndex(opened.file_id)
+        position, f, index = [0], opened.file, SampleIndex(opened.file_id)
         with self._named_errors(position):
-            shard = _Shard(_recorded(tar_members(f), index), functools.partial(_read_at, f))
+            shard = _Shard(recorded(tar_members(f), index), functools.partial(_read_at, f))
             for key, fields in _group(shard, self, read=False, limit=self.info.samples):
                 if set(fields) != set(self.fields):  # a pass's error for it, from make_sample
                     self.make_sample(position[0], key, fields)
@@ -295,7 +201,7 @@ class WdsReader(ShardReader):
     def _read_member(self, f: IO[bytes], index: int, name: str, offset: int, size: int) -> bytes:
         """`size` bytes at `offset`, read without moving the file position; a member cut
         short (the file shrank under the reader) is the error a pass gives."""
-        data = _pread(f.fileno(), offset, size)
+        data = pread(f.fileno(), offset, size)
         if len(data) != size:
             raise self.corrupt(f"member {name!r} ends after {len(data)} of its {size} bytes", index)
         return data
@@ -381,68 +287,6 @@ class _Shard(NamedTuple):
     read: Callable[[tarfile.TarInfo], bytes]
 
 
-_FileId = tuple[int, int, int, int]
-"""A shard file as `os.fstat` tells it: device, inode, size, modification time (ns)."""
-
-
-class _IndexedFile(NamedTuple):
-    """The shard file `get` reads, opened in process `pid`."""
-
-    pid: int
-    file: IO[bytes]
-    file_id: _FileId
-
-
-class _SampleIndex:
-    """Each sample's key and members (field, data offset, size) in shard order, as walked
-    from the headers of the file `file`. Kept flat, about 120 bytes a sample of two fields
-    (tuples would take 500): a process keeps one for each shard it reads by index."""
-
-    def __init__(self, file: _FileId) -> None:
-        self.file = file
-        self._keys: list[str] = []
-        self._first = array.array("q")  # each sample's first member
-        self._fields: list[str] = []  # each member's, interned: a few distinct strings
-        self._offsets = array.array("q")
-        self._sizes = array.array("q")
-
-    def add(self, member: tarfile.TarInfo) -> None:
-        """The next member of the shard: of the last sample added, or the first of the next
-        one when its key differs (as `_group` groups them)."""
-        key, _, field = member.name.partition(".")
-        if not self._keys or self._keys[-1] != key:
-            self._keys.append(key)
-            self._first.append(len(self._offsets))
-        self._fields.append(sys.intern(field))
-        self._offsets.append(member.offset_data)
-        self._sizes.append(member.size)
-
-    def sample(self, index: int) -> tuple[str, Iterator[tuple[str, int, int]]]:
-        """Sample `index`'s key and its members' (field, data offset, size)."""
-        start = self._first[index]
-        stop = self._first[index + 1] if index + 1 < len(self._first) else len(self._offsets)
-        fields, offsets, sizes = self._fields, self._offsets, self._sizes
-        members = zip(fields[start:stop], offsets[start:stop], sizes[start:stop], strict=True)
-        return self._keys[index], members
-
-
-def _recorded(members: Iterator[tarfile.TarInfo], index: _SampleIndex) -> Iterator[tarfile.TarInfo]:
-    """`members`, each added to `index` as it goes by."""
-    for member in members:
-        index.add(member)
-        yield member
-
-
-def _pread(fd: int, offset: int, size: int) -> bytes:
-    """Up to `size` bytes at `offset` of `fd` (fewer only where the file ends), leaving its
-    position alone: one read, more only where the kernel returns less (over 2 GiB)."""
-    parts = []
-    while size > 0 and (part := os.pread(fd, size, offset)):
-        parts.append(part)
-        offset, size = offset + len(part), size - len(part)
-    return b"".join(parts)
-
-
 def _read_at(f: IO[bytes], member: tarfile.TarInfo) -> bytes:
     f.seek(member.offset_data)
     return f.read(member.size)
@@ -463,7 +307,7 @@ def tar_members(f: IO[bytes]) -> Iterator[tarfile.TarInfo]:
     while (member := _template_member(header := _block_at(f, offset), offset)) is not None:
         yield member
         offset = member.offset_data + -(-member.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-    if offset > 0 and header == _ZERO_BLOCK:
+    if offset > 0 and header == ZERO_BLOCK:
         return  # the end-of-archive blocks after dlpipe's members
     if offset > 0:  # tarfile's own check as it moves past a member: the member is all there
         f.seek(offset - 1)
@@ -485,9 +329,9 @@ def _template_member(header: bytes, offset: int) -> tarfile.TarInfo | None:
     and NUL-padded; the size and checksum octal; the checksum right), else None."""
     if (
         len(header) != tarfile.BLOCKSIZE
-        or header[100:124] != _USTAR_MIDDLE
-        or header[136:148] != _USTAR_AFTER_SIZE[:12]
-        or header[155:] != _USTAR_AFTER_SIZE[19:]
+        or header[100:124] != USTAR_MIDDLE
+        or header[136:148] != USTAR_AFTER_SIZE[:12]
+        or header[155:] != USTAR_AFTER_SIZE[19:]
         or header[135:136] != tarfile.NUL
         or header[154:155] != tarfile.NUL
     ):
@@ -497,7 +341,7 @@ def _template_member(header: bytes, offset: int) -> tarfile.TarInfo | None:
         return None
     if int(checksum_digits, 8) != sum(header) - sum(header[148:156]) + 8 * ord(" "):
         return None
-    raw = header[:_USTAR_NAME_BYTES]
+    raw = header[:USTAR_NAME_BYTES]
     end = raw.find(tarfile.NUL)
     name = raw if end < 0 else raw[:end]
     if not name or not name.isascii() or raw[len(name) :].strip(tarfile.NUL):
