@@ -98,6 +98,16 @@ def test_get_is_the_passs_sample_at_every_index_in_any_order(fmt, tmp_path) -> N
     assert dict(reader.get(len(reader) - 1))["__key__"] == LONG_KEY
 
 
+def test_open_dataset_by_index_reads_a_wds_split_at_random(wds_dataset) -> None:
+    streamed = [dict(s) for s in dlpipe.open_dataset(wds_dataset, "train")]
+    with dlpipe.open_dataset(wds_dataset, "train", by_index=True) as ds:
+        assert isinstance(ds, dlpipe.MapDataset) and len(ds) == len(streamed)
+        order = random.Random(3).sample(range(len(ds)), len(ds))
+        assert [dict(ds[i]) for i in order] == [streamed[i] for i in order]
+    with pytest.raises(TypeError, match="streaming"):
+        dlpipe.open_dataset(wds_dataset, "train")[0]
+
+
 def test_get_reads_the_same_after_a_pickle_round_trip_which_carries_no_index(
     wds_dataset,
 ) -> None:

@@ -63,7 +63,6 @@ __all__ = [
     "PreparedDataset",
     "ShardReaders",
     "StreamDataset",
-    "open_by_index",
     "open_dataset",
     "read_manifest_stamped",
     "resolve_rank",
@@ -453,6 +452,7 @@ def open_dataset(
     cache_dir: str | os.PathLike[str] | None = None,
     cache_limit: int | str | None = None,
     version: int | None = None,
+    by_index: bool = False,
 ) -> MapDataset | StreamDataset:
     """Open one split of a prepared dataset (local folder or fsspec URL).
 
@@ -473,6 +473,9 @@ def open_dataset(
             (default: what it holds plus half the free space of its disk).
         version: read the dataset as it was at this version (each split's shards of versions
             1..`version`, `dlpipe.Manifest.at_version`); None: the latest.
+        by_index: read a wds split by index too (``ds[i]``, a `MapDataset`: its shard
+            readers walk each shard's member headers once, `dlpipe.formats.wds`), as a
+            mixture reads its sources; lmdb and hdf5 are read by index anyway.
 
     Raises:
         ManifestNotFoundError, ManifestError: not a (finished) dataset.
@@ -482,50 +485,13 @@ def open_dataset(
         ShardFetchError, CacheDiskFullError: later, when a remote shard cannot be had intact.
         KeyError: no such split (the message lists the splits).
     """
-    return _opened(
-        path,
-        split,
-        by_index=None,
-        rank=rank,
-        world_size=world_size,
-        transform=transform,
-        cache_dir=cache_dir,
-        cache_limit=cache_limit,
-        version=version,
-    )
-
-
-def open_by_index(path: str | os.PathLike[str], split: str, **options: Any) -> MapDataset:
-    """`open_dataset`, read by index whatever the format: a wds split too (its shard readers
-    answer `get` by walking the member headers once, `dlpipe.formats.wds`), as a mixture
-    reads its sources. `options`: `open_dataset`'s keywords."""
-    dataset = _opened(path, split, by_index=True, **options)
-    if not isinstance(dataset, MapDataset):  # every format's reader answers `get` today
-        raise TypeError(f"{path}: {dataset.manifest.format} shards cannot be read by index")
-    return dataset
-
-
-def _opened(
-    path: str | os.PathLike[str],
-    split: str,
-    *,
-    by_index: bool | None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    transform: Transform | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    cache_limit: int | str | None = None,
-    version: int | None = None,
-) -> MapDataset | StreamDataset:
-    """`open_dataset`; `by_index` True reads any indexable format by index (None: as its
-    format says)."""
     path = os.fspath(path)
     manifest, stamp = read_manifest_stamped(path)
     if version is not None:
         manifest = manifest.at_version(version)
     fmt = get_format(manifest.format, manifest.format_version)
     rank, world_size = resolve_rank(rank, world_size)
-    indexed = fmt.random_access or (by_index and fmt.reader.indexable)
+    indexed = fmt.random_access or (by_index and fmt.reader.indexable)  # (all three are)
     cls = MapDataset if indexed else StreamDataset
     remote = None
     if storage.is_url(path):

@@ -3,7 +3,7 @@ argument (one path: `open_dataset`; a list: a `MixedDataset`) and checks the mix
 `LoaderConfig` against the sources (`dlpipe.loading.mixing` holds the order and its state).
 
 Sources are datasets of any format (a wds one read by index through its shard readers'
-`get`, `dlpipe.loading.dataset.open_by_index`), local or at URLs, of one task
+`get`: ``open_dataset(..., by_index=True)``), local or at URLs, of one task
 (classification and unlabelled ones mix; detection sources all with instance masks or none;
 segmentation sources with one ignore value) and one image field; anything else is one
 `LoaderConfigError` naming it and the fix. Each source keeps its own recipe (its targets
@@ -28,7 +28,7 @@ import torch.utils.data
 
 from dlpipe.loading.class_maps import class_maps
 from dlpipe.loading.config import LoaderConfig, LoaderConfigError
-from dlpipe.loading.dataset import MapDataset, PreparedDataset, open_by_index, open_dataset
+from dlpipe.loading.dataset import MapDataset, PreparedDataset, open_dataset
 from dlpipe.loading.mixing import (
     MAX_EPOCH_SAMPLES,
     MIX_RULES,
@@ -148,9 +148,7 @@ def open_sources(
             "mixture reads several: leave it out (each source is read at its latest version)"
         )
     names = [os.fspath(p) for p in path]
-    sources = [
-        open_by_index(name, split, rank=rank, world_size=world_size, **reading) for name in names
-    ]
+    sources = [_by_index(name, split, rank, world_size, reading) for name in names]
     share_limit([s.readers.remote for s in sources if s.readers.remote], reading.get("cache_limit"))
     identities = tuple(
         SourceIdentity(name, source.stamp.sha256, len(source))
@@ -178,6 +176,14 @@ def _refuse_mixing_fields(config: LoaderConfig) -> None:
                 f"{name}={value!r} mixes several datasets, but one path was given; pass a list "
                 f"of dataset paths, or leave {name} out"
             )
+
+
+def _by_index(
+    name: str, split: str, rank: int | None, world_size: int | None, reading: dict[str, Any]
+) -> MapDataset:
+    dataset = open_dataset(name, split, rank=rank, world_size=world_size, by_index=True, **reading)
+    assert isinstance(dataset, MapDataset)  # every format's shard reader answers `get`
+    return dataset
 
 
 def _rule(value: Any) -> str:
