@@ -50,6 +50,8 @@ _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _NUMBER_TAIL = re.compile(r"[0-9.eE+-]*")  # what may follow a number cut at the buffer's end
 _NEAR_END = 64  # a decode error this close to the buffer's end may be a cut element
 
+_ID_TYPES = frozenset({int, str})
+_NUMBER_TYPES = frozenset({int, float})
 Handlers = dict[str, Callable[..., None]]
 ImageId = int | str
 Object = tuple[ImageId, int, float, float, float, float, int]
@@ -72,6 +74,7 @@ class _Reader:
         self._ascii = True  # buf is ASCII: a character is a byte
         self._bytes_dropped = 0  # bytes of the file before buf[0] (a BOM included)
         self._cursor = (0, 0)  # (index in buf, bytes of buf before it): `byte_at` moves it on
+        self.value_start = 0  # the character where the last `value` began
 
     def fail(self, problem: str, at: int | None = None) -> SourceError:
         where = self.dropped + (self.pos if at is None else at)
@@ -135,6 +138,7 @@ class _Reader:
         """The JSON value at the walk's position, checked by `_check` from nesting `depth`."""
         if not self.peek():
             raise self.fail("the file ends early (is it truncated?)")
+        self.value_start = self.dropped + self.pos
         while True:
             try:
                 value, end = self._decoder.raw_decode(self.buf, self.pos)
@@ -167,21 +171,28 @@ def _check(value: Any, depth: int, reader: _Reader) -> None:
 
     Called once per element of a top-level array (an annotation of 10-20 values): a container's
     scalars are checked inline and a flat list of numbers (a polygon, an RLE's counts) in C, so
-    that the serial parse costs a few microseconds per annotation.
+    that the serial parse costs a few microseconds per annotation. A scalar's range test also
+    refuses NaN and the infinities (every comparison with NaN is false).
     """
     if depth > MAX_DEPTH:
         raise reader.fail(f"nesting deeper than {MAX_DEPTH} levels")
     if isinstance(value, list):
-        try:
-            total = sum(value)
-        except TypeError:
-            items: Any = value  # not all numbers: item by item
+        first = type(value[0]) if value else int
+        if first is list or first is dict or first is str:
+            items: Any = value  # sum() would refuse it: item by item
         else:
-            if value and not (
-                _finite(total) and -_MAX_NUMBER < min(value) <= max(value) < _MAX_NUMBER
-            ):
-                raise reader.fail("a list holding a number that is not finite or beyond +-2**63")
-            return
+            try:
+                total = sum(value)
+            except TypeError:
+                items = value  # not all numbers: item by item
+            else:
+                if value and not (
+                    _finite(total) and -_MAX_NUMBER < min(value) <= max(value) < _MAX_NUMBER
+                ):
+                    raise reader.fail(
+                        "a list holding a number that is not finite or beyond +-2**63"
+                    )
+                return
     elif isinstance(value, dict):
         items = value.values()
     else:
@@ -190,9 +201,7 @@ def _check(value: Any, depth: int, reader: _Reader) -> None:
         kind = type(item)
         if kind is list or kind is dict:
             _check(item, depth + 1, reader)
-        elif (kind is float or kind is int) and not (
-            _finite(item) and -_MAX_NUMBER < item < _MAX_NUMBER
-        ):
+        elif (kind is float or kind is int) and not -_MAX_NUMBER < item < _MAX_NUMBER:
             raise reader.fail(f"the number {item!r:.40} is not finite or beyond +-2**63")
 
 
@@ -270,11 +279,9 @@ def _elements(reader: _Reader, handler: Callable[..., None] | None, spans: bool)
         return
     index = 0
     while True:
-        reader.peek()  # the walk stands on the element's first character
-        start = reader.dropped + reader.pos
         element = reader.value(3)
         if handler is not None and spans:
-            offset = reader.byte_at(start)
+            offset = reader.byte_at(reader.value_start)
             length = reader.byte_at(reader.dropped + reader.pos) - offset
             handler(index, element, offset << 32 | length)
         elif handler is not None:
@@ -343,14 +350,50 @@ class Instances:
     def annotation(self, index: int, entry: Any, span: int = 0) -> None:
         """Keep one element of ``annotations``: its object, or the problem it has (and, when
         `spans` are kept, its byte span)."""
-        where = f"{self.shown}: annotations[{index}]"
-        image_id = _entry_id(entry, "image_id", where)
+        plain = _plain_object(entry)
+        if plain is None:
+            where = f"{self.shown}: annotations[{index}]"
+            image_id = _entry_id(entry, "image_id", where)
+            kept = _object(entry, where)
+        else:
+            image_id, kept = plain
         segmentation = entry.get("segmentation")
         if isinstance(segmentation, dict) or (isinstance(segmentation, list) and segmentation):
             self.masks += 1
-        self.objects.setdefault(image_id, []).append(_object(entry, where))
+        self.objects.setdefault(image_id, []).append(kept)
         if self.spans is not None:
             self.spans.setdefault(image_id, []).append(span)
+
+
+def _plain_object(entry: Any) -> tuple[ImageId, Object] | None:
+    """An annotation's image id and object when every value is as COCO writes it (the serial
+    parse's common case, no message built); None otherwise: `_entry_id` and `_object` name
+    the problem (the types are JSON's own: no subclasses)."""
+    if type(entry) is not dict:
+        return None
+    image_id, ann_id, box = entry.get("image_id"), entry.get("id"), entry.get("bbox")
+    category_id, crowd = entry.get("category_id"), entry.get("iscrowd", 0)
+    if not (
+        type(image_id) in _ID_TYPES
+        and type(ann_id) in _ID_TYPES
+        and type(category_id) is int
+        and (crowd == 0 or crowd == 1)
+        and type(crowd) is int
+        and type(box) is list
+        and len(box) == 4
+    ):
+        return None
+    x, y, width, height = box
+    if not (
+        type(x) in _NUMBER_TYPES
+        and type(y) in _NUMBER_TYPES
+        and type(width) in _NUMBER_TYPES
+        and type(height) in _NUMBER_TYPES
+        and width > 0
+        and height > 0
+    ):
+        return None
+    return cast(ImageId, image_id), cast(Object, (ann_id, category_id, x, y, width, height, crowd))
 
 
 def _object(entry: dict[str, Any], where: str) -> Object | str:

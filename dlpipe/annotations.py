@@ -94,6 +94,9 @@ INSTANCE_MASKS_SCHEMA: dict[str, Any] = {
 CAPTION_SCHEMA: dict[str, Any] = {"kind": "caption"}
 _KINDS = ("boxes", "mask", "instance_masks", "caption", "columns")
 _MAX_OBJECTS = 100_000  # per image: COCO's most crowded image has under 1,000
+_EXACT = 2**53  # a float's whole numbers are exact below it
+_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)  # json.dumps's, made once
+_NUMBER_TYPES = frozenset({int, float})  # what JSON numbers decode to (bools are not numbers)
 
 
 class AnnotationError(DlpipeError, ValueError):
@@ -130,23 +133,22 @@ def encode_boxes(
         **flags: other per-object 0/1 flags by name (``difficult``, ``truncated``).
     """
     record: dict[str, Any] = {
-        "boxes": [[_number(v) for v in box] for box in boxes],
-        "labels": [int(label) for label in labels],
-        "iscrowd": [int(c) for c in (iscrowd if iscrowd is not None else [0] * len(boxes))],
+        "boxes": [[_number(v) for v in map(float, box)] for box in boxes],
+        "labels": list(map(int, labels)),
+        "iscrowd": list(map(int, iscrowd)) if iscrowd is not None else [0] * len(boxes),
     }
     if ids is not None:
         record["ids"] = list(ids)
     for name, values in flags.items():
         if name not in OBJECT_FLAGS:
             raise ValueError(f"unknown object flag {name!r}; known: {', '.join(OBJECT_FLAGS)}")
-        record[name] = [int(v) for v in values]
-    return json.dumps(record, separators=(",", ":"), sort_keys=True).encode("utf-8")
+        record[name] = list(map(int, values))
+    return _JSON.encode(record).encode("utf-8")
 
 
-def _number(value: float) -> float | int:
-    """An int when the value is whole (VOC's pixels), else the float, for short, stable JSON."""
-    number = float(value)
-    return int(number) if number.is_integer() and abs(number) < 2**53 else number
+def _number(number: float) -> float | int:
+    """An int when the float is whole (VOC's pixels), else the float, for short, stable JSON."""
+    return int(number) if number.is_integer() and -_EXACT < number < _EXACT else number
 
 
 def read_boxes(data: bytes) -> dict[str, list[Any]]:
@@ -168,22 +170,50 @@ def read_boxes(data: bytes) -> dict[str, list[Any]]:
     for name, values in record.items():
         if not isinstance(values, list) or len(values) != count:
             raise AnnotationError(f'boxes.json "{name}" is not a list of {count} entries')
-    for box in record["boxes"]:
-        if not (
-            isinstance(box, list)
-            and len(box) == 4
-            and all(_is_number(v) and math.isfinite(v) for v in box)
-        ):
-            raise AnnotationError(
-                f"box {box!r} is not 4 finite numbers [x_min, y_min, x_max, y_max]"
-            )
+    if not _plain_boxes(record["boxes"]):
+        for box in record["boxes"]:  # the first bad box named
+            if not (
+                isinstance(box, list)
+                and len(box) == 4
+                and all(_is_number(v) and math.isfinite(v) for v in box)
+            ):
+                raise AnnotationError(
+                    f"box {box!r} is not 4 finite numbers [x_min, y_min, x_max, y_max]"
+                )
     labels = record.get("labels")
-    if labels is None or not all(_is_int(v) and v >= 0 for v in labels):
+    if labels is None or not (_all_ints(labels) and min(labels, default=0) >= 0):
         raise AnnotationError('boxes.json "labels" are not class indices (integers >= 0)')
     for name in OBJECT_FLAGS:
-        if name in record and not all(v in (0, 1) and _is_int(v) for v in record[name]):
+        if name in record and not (_all_ints(record[name]) and set(record[name]) <= {0, 1}):
             raise AnnotationError(f'boxes.json "{name}" holds a value that is not 0 or 1')
     return record
+
+
+def _plain_boxes(boxes: list[Any]) -> bool:
+    """True when every box is a list of 4 finite JSON numbers (a sum that is not finite, or
+    an int too large for a float, sends the caller to its box-by-box check)."""
+    for box in boxes:
+        if type(box) is not list or len(box) != 4:
+            return False
+        x0, y0, x1, y1 = box
+        if not (
+            type(x0) in _NUMBER_TYPES
+            and type(y0) in _NUMBER_TYPES
+            and type(x1) in _NUMBER_TYPES
+            and type(y1) in _NUMBER_TYPES
+        ):
+            return False
+        try:
+            if not math.isfinite(x0 + y0 + x1 + y1):
+                return False
+        except OverflowError:
+            return False
+    return True
+
+
+def _all_ints(values: list[Any]) -> bool:
+    """True when every value is a JSON integer (bools are not)."""
+    return set(map(type, values)) <= {int}
 
 
 def _is_number(value: object) -> bool:
