@@ -357,3 +357,15 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_zero(colours, 
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {stopped_at}" in done.stdout
     assert newest(run)["step"] == state["step"] + 2
+
+
+def test_the_input_bound_advice_is_printed_once_a_run(colours, tmp_path, capsys, monkeypatch):
+    """Every epoch of an input-bound run waits for data; the advice comes once, each epoch's
+    line still gives its data wait."""
+    from dlpipe.train import progress
+
+    monkeypatch.setattr(progress, "INPUT_BOUND_SHARE", -1.0)  # every epoch is input-bound
+    assert train(colours["lmdb"], tmp_path / "run", "--epochs", "3") == 0
+    out = capsys.readouterr().out
+    assert out.count("input-bound: waiting for data") == 1
+    assert out.count("data wait") == 3

@@ -72,6 +72,7 @@ class Trainer:
         self.val_loader: Any = None
         self._next_pass: Any = None  # the next epoch's batches, begun at the end of this one
         self.loader_source = ""  # where the train loader's settings came from (its line)
+        self._advised = False  # the input-bound advice is printed once a run
         self.logger: RunLogger | None = None
         try:
             self._build(config, console, show_config, warn)
@@ -352,8 +353,9 @@ class Trainer:
         cuda = self.dist.device.type == "cuda"
         micro, size, scale = self.plan.micro_batch, d.loader.image_size, d.loader.min_crop_scale
         advice = progress.input_verdict(wait, d.path[0], micro, size, scale, cuda)
-        if advice:
+        if advice and not self._advised:  # later epochs' lines still show their data wait
             self.console.print(f"  {escape(advice)}")
+            self._advised = True
 
     # ---- checkpoints (`resume`) ----------------------------------------------------------
 
