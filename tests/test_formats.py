@@ -151,3 +151,26 @@ def test_url_formats_write_and_read_through_fsspec(fmt, samples) -> None:
 def test_unknown_split_lists_the_splits(make_dataset) -> None:
     with pytest.raises(KeyError, match="'train', 'val'"):
         dlpipe.open_dataset(make_dataset("wds"), "test")
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_a_shard_cut_short_by_an_error_leaves_nothing_and_the_next_is_whole(
+    tmp_path, fmt, samples, monkeypatch
+) -> None:
+    import dlpipe.formats.lmdb
+
+    monkeypatch.setattr(dlpipe.formats.lmdb, "_COMMIT_EVERY_BYTES", 1)  # a commit per sample
+    monkeypatch.setattr(dlpipe.formats.lmdb, "_INITIAL_MAP_BYTES", 64 << 10)  # and map growth
+
+    def failing():
+        yield from samples[:10]
+        raise RuntimeError("source went away")
+
+    name = dlpipe.FORMATS[fmt].shard_name("train", 0)
+    with pytest.raises(RuntimeError, match="source went away"):
+        dlpipe.write_shard(dlpipe.FORMATS[fmt], str(tmp_path), name, failing())
+    assert os.listdir(tmp_path) == []  # no partial shard, no staging folder
+    info = dlpipe.write_shard(dlpipe.FORMATS[fmt], str(tmp_path), name, samples)
+    assert info.samples == len(samples) and os.listdir(tmp_path) == [name]
+    reader = dlpipe.FORMATS[fmt].reader(str(tmp_path / name), info, list(samples[0])[1:])
+    assert list(reader) == samples

@@ -108,6 +108,16 @@ def _disk_error(exc: lmdb.Error, path: str) -> OSError:
 
 
 class LmdbWriter(ShardFileWriter):
+    """Puts each sample into an open write transaction as it is added; the transaction commits
+    every 64 MiB of values, and at close.
+
+    A value is packed into one reused MessagePack buffer, from which LMDB copies it into its
+    page, so no packed value outlives its `add` (a fresh packed copy of every value, held until
+    the commit, cost a quarter of the writer's CPU time). The batch's samples are kept, as
+    references, so that when the map is full it is doubled and the whole batch put again into
+    a new transaction, as often as it takes.
+    """
+
     def __init__(self, path: str, fields: list[str]) -> None:
         super().__init__(path, fields)
         try:
@@ -123,32 +133,73 @@ class LmdbWriter(ShardFileWriter):
             )
         except lmdb.Error as exc:
             raise _disk_error(exc, self.path) from exc
-        self._pending: list[tuple[bytes, bytes]] = []
-        self._pending_bytes = 0
+        self._packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+        self._txn: Any = None
+        self._batch: list[tuple[bytes, dict[str, Any]]] = []  # put since the last commit
+        self._batch_bytes = 0
         self._count = 0
 
     def add(self, key: str, fields: dict[str, bytes]) -> None:
-        value = msgpack.packb({KEY_FIELD: key, **fields}, use_bin_type=True)
-        self._pending.append((index_key(self._count), value))
-        self._pending_bytes += len(value)
+        self._append(index_key(self._count), {KEY_FIELD: key, **fields})
         self._count += 1
-        if self._pending_bytes >= _COMMIT_EVERY_BYTES:
+        if self._batch_bytes >= _COMMIT_EVERY_BYTES:
             self._commit()
 
+    def _append(self, key: bytes, record: dict[str, Any]) -> None:
+        """Put `record` under `key` into the open transaction and keep it in the batch."""
+        self._batch.append((key, record))
+        with self._as_disk_errors():
+            try:
+                self._batch_bytes += self._put(key, record)
+            except lmdb.MapFullError:
+                self._put_batch_again()
+
     def _commit(self) -> None:
-        try:
+        with self._as_disk_errors():
             while True:
                 try:
-                    with self._env.begin(write=True) as txn:
-                        for k, v in self._pending:
-                            txn.put(k, v, append=k != META_KEY)
+                    self._transaction().commit()
                     break
-                except lmdb.MapFullError:  # grow deterministically and retry the whole batch
-                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                except lmdb.MapFullError:
+                    self._put_batch_again()
+        self._txn = None
+        self._batch.clear()
+        self._batch_bytes = 0
+
+    def _put_batch_again(self) -> None:
+        """The map is full: drop the open transaction, double the map and put the whole batch
+        into a new one, doubling again until it fits (the map size is deterministic)."""
+        while True:
+            self._txn.abort()  # a no-op after a failed commit, which aborted it already
+            self._txn = None
+            self._env.set_mapsize(self._env.info()["map_size"] * 2)
+            try:
+                self._batch_bytes = sum(self._put(key, record) for key, record in self._batch)
+                return
+            except lmdb.MapFullError:
+                continue
+
+    def _put(self, key: bytes, record: dict[str, Any]) -> int:
+        """Pack `record` into the reused buffer and put it under `key`; returns its length."""
+        self._packer.pack(record)
+        try:
+            with self._packer.getbuffer() as value:
+                self._transaction().put(key, value, append=key != META_KEY)
+                return len(value)
+        finally:
+            self._packer.reset()
+
+    def _transaction(self) -> Any:
+        if self._txn is None:
+            self._txn = self._env.begin(write=True)
+        return self._txn
+
+    @contextlib.contextmanager
+    def _as_disk_errors(self) -> Iterator[None]:
+        try:
+            yield
         except lmdb.Error as exc:
             raise _disk_error(exc, self.path) from exc
-        self._pending.clear()
-        self._pending_bytes = 0
 
     def close(self) -> None:
         meta = {
@@ -157,15 +208,16 @@ class LmdbWriter(ShardFileWriter):
             "samples": self._count,
             "fields": list(self.fields),
         }
-        self._pending.append((META_KEY, msgpack.packb(meta, use_bin_type=True)))
         try:
+            self._append(META_KEY, meta)
             self._commit()
         finally:
             self._env.close()  # no sync here: the fsync that publishes the shard makes it durable
 
     def abandon(self) -> None:
-        self._pending.clear()
-        self._env.close()  # aborts any open transaction; nothing more is written
+        self._batch.clear()
+        self._txn = None
+        self._env.close()  # aborts the open transaction; nothing more is written
 
 
 def check_pages(f: IO[bytes], file_bytes: int) -> None:
@@ -298,7 +350,7 @@ _OPEN_ENVS: dict[tuple[int, str], list[Any]] = {}
 
 
 class LmdbReader(ShardReader):
-    random_access = True
+    indexable = True
 
     def _open(self) -> Any:
         pid = os.getpid()
