@@ -1,16 +1,19 @@
 """The order-aware shard cache: remote shards read through a size-limited local folder.
 
-A reader (one DataLoader worker, or a rank's main process) tells the cache the shards it will
-read next, in order (`ShardCache.plan`), then takes each one (`get`: a local path, blocking
-until the shard is there and verified) and gives it back (`release`). Knowing the order, the
-cache does what LitData's ``max_cache_size`` and Mosaic streaming's ``cache_limit`` cannot:
+A reader (one DataLoader worker, or a rank's main process) tells the cache the shards its
+rank's readers will read next, in the order they read them in time, and which of those reads
+are its own (`ShardCache.plan`), then takes each one (`get`: a local path, blocking until the
+shard is there and verified) and gives it back (`release`). Knowing the order, the cache does
+what LitData's ``max_cache_size`` and Mosaic streaming's ``cache_limit`` cannot:
 
-- **prefetch in read order**: a bounded pool of download threads fetches the next shards of the
-  plan, as far ahead as the prefetch-depth rule (`ShardCache.prefetch_depth`) asks and never
-  further than fits under `cache_limit_bytes` without evicting a shard needed sooner;
-- **evict by next use** (Belady's rule): the cached shard whose next use in the plan is furthest
-  away, or never comes, goes first; never a shard that any process on the node is reading
-  (`LRU`, the least recently used first, exists for comparison only).
+- **prefetch in read order**: a bounded pool of download threads fetches this reader's next
+  shards of the plan, as far ahead as the prefetch-depth rule (`ShardCache.prefetch_depth`)
+  asks and never further than fits under `cache_limit_bytes` without evicting a shard needed
+  sooner;
+- **evict by next use** (Belady's rule): the cached shard whose next use by any of the rank's
+  readers is furthest away, or never comes, goes first, so the workers keep shards for each
+  other; never a shard that any process on the node is reading (`LRU`, the least recently
+  used first, exists for comparison only).
 
 Every download is checked against the manifest's size and sha256 before anything reads it
 (`dlpipe.shard_fetch`); processes of one node share one folder, one download per shard, and a
@@ -63,8 +66,11 @@ class ShardCacheLimitError(DlpipeError, ValueError):
 
 @dataclass(frozen=True)
 class CacheStats:
-    """What one `ShardCache` did: `gets` calls, `hits` (the shard was cached and not
-    downloaded since this process last used it), downloads, their bytes, and evictions."""
+    """What one `ShardCache` did: `gets` calls, `hits` (the shard was on disk, verified,
+    when `get` asked for it: the read waited for no download, whoever made it, a prefetch
+    that landed in time included), downloads, their bytes, and evictions. Downloads per
+    read (``downloads / gets``) measures eviction alone: a prefetched shard is a hit but
+    a download."""
 
     gets: int = 0
     hits: int = 0
@@ -132,7 +138,6 @@ class ShardCache:
         self._users: Counter[str] = Counter()
         self._getting: Counter[str] = Counter()
         self._use_fds: dict[str, int] = {}
-        self._fresh: set[str] = set()  # downloaded since this process last used them
         self._failed: set[str] = set()  # prefetches that failed: only a `get` tries again
         self._stats = CacheStats()
         self._fetch_s: float | None = None
@@ -142,17 +147,27 @@ class ShardCache:
 
     # --- the public calls --------------------------------------------------------------------
 
-    def plan(self, order: Sequence[str]) -> None:
-        """Set the shards this process reads next, in order (repeats allowed: plan two epochs
-        at once, so the end of one is not evicted for lack of a future).
+    def plan(self, order: Sequence[str], mine: Sequence[int] | None = None) -> None:
+        """Set the shards read next, in order (repeats allowed: plan two epochs at once, so
+        the end of one is not evicted for lack of a future). `mine`: the positions of `order`
+        this process reads, when `order` is every reader's of the node merged in time (the
+        others' uses rank eviction; this process prefetches and moves through its own);
+        None: all of them.
 
         Raises:
-            ValueError: a name that is not one of the manifest's shards.
+            ValueError: a name that is not one of the manifest's shards, or a position of
+                `mine` outside `order`.
         """
         for name in order:
             self._require_known(name)
+        outside = [p for p in mine or () if not 0 <= p < len(order)]
+        if outside:
+            raise ValueError(
+                f"mine has position {outside[0]}, outside the order's {len(order)} uses; "
+                "give positions of order (0 to its length - 1)"
+            )
         with self._changed:
-            self._plan = ShardPlan(order)
+            self._plan = ShardPlan(order, mine)
             self._schedule()
 
     def get(self, name: str) -> str:
@@ -167,8 +182,7 @@ class ShardCache:
         self._require_known(name)
         self._note_consumer()
         with self._changed:
-            downloaded = name in self._fresh or name in self._inflight
-            hit = not downloaded and self._store.is_cached(name)
+            hit = name not in self._inflight and self._store.is_cached(name)
             self._plan.take(name)
             self._getting[name] += 1  # no eviction takes it from here on
         try:
@@ -183,7 +197,6 @@ class ShardCache:
                 os.close(fd)
             else:
                 self._use_fds[name] = fd
-            self._fresh.discard(name)
             self._count(gets=1, hits=int(hit))
             self._schedule()
         self._got_at = time.monotonic()
@@ -310,7 +323,6 @@ class ShardCache:
         elapsed = time.monotonic() - started
         with self._changed:
             self._fetch_s = _smoothed(self._fetch_s, elapsed)
-            self._fresh.add(name)
             self._count(downloads=1, downloaded_bytes=shard.bytes)
         return True
 
@@ -350,8 +362,8 @@ class ShardCache:
     # --- prefetch and eviction (called holding `_changed`) -----------------------------------
 
     def _schedule(self) -> None:
-        """Start downloads of the next shards of the plan, nearest first, up to the prefetch
-        depth and `threads` in flight, stopping at the first that does not fit."""
+        """Start downloads of this process's next shards of the plan, nearest first, up to
+        the prefetch depth and `threads` in flight, stopping at the first that does not fit."""
         if self._closed:
             return
         cached = self._store.listed()
@@ -377,10 +389,10 @@ class ShardCache:
         self._make_room(0, self._plan.cursor - 1, needed_now=False)
 
     def _window(self) -> Iterator[tuple[int, str]]:
-        """The next `prefetch_depth` distinct shards of the plan, at most half the cache
-        limit's bytes of them (at least one): the other half keeps shards for their next use.
-        Given the whole limit, a cache smaller than the dataset would fill it with the window
-        and keep nothing for the next epoch."""
+        """This process's next `prefetch_depth` distinct shards of the plan, at most its share
+        (``1 / readers``) of half the cache limit's bytes of them (at least one): the other
+        half keeps shards for their next use. Given the whole limit, a cache smaller than the
+        dataset would fill it with the window and keep nothing for the next epoch."""
         sizes = {n: s.bytes for n, s in self._store.shards.items()}
         room = self.cache_limit_bytes // 2 // self._readers
         return self._plan.window(self.prefetch_depth(), room, sizes)
@@ -416,7 +428,6 @@ class ShardCache:
     def _evict(self, name: str) -> bool:
         if not self._store.try_evict(name):
             return False
-        self._fresh.discard(name)
         self._count(evictions=1)
         return True
 

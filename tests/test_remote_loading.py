@@ -326,9 +326,9 @@ def test_a_mixtures_url_sources_each_plan_their_own_reads_in_order(
     plans: dict[str, list[list[str]]] = {}
     plan = ShardCache.plan
 
-    def recorded(cache: ShardCache, order: Any) -> None:
+    def recorded(cache: ShardCache, order: Any, mine: Any = None) -> None:
         plans.setdefault(cache.url_root, []).append(list(order))
-        plan(cache, order)
+        plan(cache, order, mine)
 
     monkeypatch.setattr(ShardCache, "plan", recorded)
     urls = [s3(local_sets["lmdb"]), s3(local_sets["hdf5"])]
@@ -346,3 +346,92 @@ def test_a_mixtures_url_sources_each_plan_their_own_reads_in_order(
 
 
 MIX_FMTS = ("lmdb", "hdf5")
+
+
+# --- the workers of a rank share one plan ------------------------------------------------------
+
+
+def test_two_workers_keep_shards_for_each_other_in_a_third_size_cache(s3, proxy, tmp_path) -> None:
+    """A 2-worker wds loader, shuffled, its cache a third of the dataset: each worker's cache
+    ranks eviction by both workers' next reads (not its own only, which evicted the other's
+    shards as never needed again), so the shards kept at the end of the first epoch are read
+    in the second instead of downloaded again. Of the reads the order makes, at least the
+    shards that fit beside the held ones and the prefetch windows are not downloaded again."""
+    from dlpipe.loading.order import StreamOrder
+    from dlpipe.loading.remote import HELD_SHARE
+
+    shards, per_shard, batch = 48, 8, 8
+    folder = tmp_path / "data"
+    write_dataset(folder, "wds", {"train": list(synthetic_samples(shards * per_shard))})
+    url = s3(folder)
+    sizes = [p.stat().st_size for p in folder.glob("train-*")]
+    limit = sum(sizes) // 3
+    loader = _loader(url, 2, tmp_path / "cache", cache_limit=limit, shuffle=True)
+    _epochs(loader)
+    downloads = sum(n for k, n in _shard_gets(proxy, url).items() if k.startswith("train-"))
+    order = StreamOrder([per_shard] * shards, batch_size=batch, seed=CONFIG.seed)
+    half = (shards * per_shard // batch + 1) // 2 * batch  # worker 0's stretch: the larger
+    stretches = [(0, half), (half, shards * per_shard)]
+    reads = sum(len(order.segments(e, [run])) for e in (0, 1) for run in stretches)
+    kept = int(limit * (1 - HELD_SHARE - 0.5)) // max(sizes)  # beside held shards and windows
+    print(f"{shards} shards, {reads} reads in 2 epochs, {downloads} downloads, kept >= {kept}")
+    assert downloads <= reads - kept
+
+
+def test_each_map_style_worker_plans_both_workers_batches(local_sets, s3, tmp_path, monkeypatch):
+    """Each worker of a 2-worker lmdb loader plans the rank's reads of this epoch and the
+    next: its own batches (k % 2 == its id) at the positions it takes, the other worker's
+    batches between them."""
+    import json
+
+    from dlpipe.loading.order import worker_part
+    from dlpipe.shard_cache import ShardCache
+
+    plan, record = ShardCache.plan, tmp_path / "plans.jsonl"
+
+    def recorded(cache: ShardCache, order: Any, mine: Any = None) -> None:
+        with record.open("a") as out:
+            out.write(json.dumps([worker_part()[0], list(order), list(mine)]) + "\n")
+        plan(cache, order, mine)
+
+    monkeypatch.setattr(ShardCache, "plan", recorded)  # the workers fork after this
+    loader = _loader(s3(local_sets["lmdb"]), 2, tmp_path / "cache", shuffle=True)
+    _epochs(loader, 1)
+    block = CONFIG.batch_size
+
+    def reads(epoch: int, worker: int) -> list[str]:
+        """A worker's shards of `epoch`, one per run of reads of a shard."""
+        indices = loader.order.indices(epoch)
+        names = [f"train-{i // 8:06d}.lmdb" for i in _worker_batches(indices, block, worker)]
+        return [n for i, n in enumerate(names) if i == 0 or names[i - 1] != n]
+
+    plans = {w: (order, set(mine)) for w, order, mine in map(json.loads, record.open())}
+    for worker, (order, mine) in plans.items():
+        own = [n for p, n in enumerate(order) if p in mine]
+        other = [n for p, n in enumerate(order) if p not in mine]
+        assert own == reads(0, worker) + reads(1, worker)
+        assert other == reads(0, 1 - worker) + reads(1, 1 - worker)
+    assert sorted(plans) == [0, 1]
+
+
+def _worker_batches(indices: Any, block: int, worker: int) -> list[int]:
+    """The samples of batches ``worker``, ``worker + 2``, ... of `indices`."""
+    batches = [indices[b : b + block] for b in range(0, len(indices), block)]
+    return [int(i) for batch in batches[worker::2] for i in batch]
+
+
+def test_the_rank_order_merges_the_workers_reads_by_time() -> None:
+    """Each worker's runs of reads are one use each, at the count of samples it read before;
+    the workers' uses interleave by that count (ties in worker order), pass after pass; a
+    plan with a lag places the other workers' uses that much later; the limit cuts it."""
+    import numpy as np
+
+    from dlpipe.loading.read_plan import merged, runs_of
+
+    first = runs_of(np.arange(4), np.asarray([1, 1, 2, 3]))  # uses at 0, 2, 3
+    second = runs_of(np.arange(4), np.asarray([5, 6, 6, 7]))  # uses at 0, 1, 3
+    passes = [[first, second], [second, first]]
+    assert merged(passes, 0, 100) == ([1, 5, 6, 2, 3, 7, 5, 1, 6, 2, 7, 3], [0, 3, 4, 6, 8, 10])
+    assert merged(passes, 1, 100)[1] == [1, 2, 5, 7, 9, 11]
+    assert merged(passes[:1], 0, 100, lag=2) == ([1, 2, 5, 3, 6, 7], [0, 1, 3])
+    assert merged(passes, 0, 4) == ([1, 5, 6, 2], [0, 3])

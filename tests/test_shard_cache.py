@@ -28,6 +28,7 @@ from dlpipe.shard_cache import (
     ShardCacheLimitError,
     ShardFetchError,
 )
+from dlpipe.shard_plan import ShardPlan
 from dlpipe.shard_store import PART_PREFIX
 
 proxy = s3_faults.proxy  # the fixture (module-scoped), shared with the loader's tests
@@ -170,6 +171,8 @@ def test_bad_arguments_are_named(remote, proxy, tmp_path) -> None:
             cache.plan(["nope"])
         with pytest.raises(ValueError, match="released more often"):
             cache.release(shards[0].name)
+        with pytest.raises(ValueError, match="mine has position 2, outside the order's 2 uses"):
+            cache.plan([shards[0].name, shards[1].name], mine=[0, 2])
 
 
 # --- eviction ---------------------------------------------------------------------------------
@@ -189,6 +192,47 @@ def test_belady_beats_lru_with_a_quarter_size_cache(remote, proxy, tmp_path) -> 
     print(f"hit rate, 16 shards x 2 epochs, cache of 4: {rates}")
     assert rates["belady"].hit_rate > rates["lru"].hit_rate
     assert rates["belady"].downloads < rates["lru"].downloads
+
+
+def test_workers_sharing_one_plan_keep_the_shards_each_other_reads_next(
+    remote, proxy, tmp_path
+) -> None:
+    """Two readers of one folder plan the node's order (x reads a, c; y reads b, a): making
+    room for c, x evicts b, which nobody reads again, not a, which y reads next and which x's
+    own reads alone would call never needed."""
+    root, shards, data = remote(3)
+    a, b, c = (s.name for s in shards)
+    order = [a, b, c, a]
+    limit = 2 * 4096
+    with (
+        _cache(root, tmp_path, limit, shards, proxy, prefetch=0) as x,
+        _cache(root, tmp_path, limit, shards, proxy, prefetch=0) as y,
+    ):
+        x.plan(order, mine=[0, 2])
+        y.plan(order, mine=[1, 3])
+        assert _read(x, a) == data[a] and _read(y, b) == data[b]
+        assert _read(x, c) == data[c]
+        assert sorted(n for n in os.listdir(tmp_path) if n in data) == [a, c]
+        assert _read(y, a) == data[a] and y.stats().hits == 1
+    assert proxy.gets[_key(root, a)] == 1, proxy.gets
+
+
+def test_a_plan_moves_along_its_readers_own_uses_only() -> None:
+    """Reading one use sample by sample, or a shard the other reader also uses next, moves
+    the cursor past this reader's use only: the other's uses stay ahead, and the prefetch
+    window lists this reader's shards."""
+    plan = ShardPlan(["x", "y", "x", "z", "y"], mine=[0, 3])
+    sizes = dict.fromkeys("xyz", 1)
+    assert list(plan.window(5, 10, sizes)) == [(0, "x"), (3, "z")]
+    plan.take("x")
+    plan.take("x")  # the same use's next sample
+    assert plan.cursor == 1 and plan.next_use("x") == 2 and plan.next_use("y") == 1
+    plan.take("z")
+    assert plan.cursor == 4 and plan.next_use("y") == 4 and plan.next_use("x") is None
+    alone = ShardPlan(["x", "y", "x"])  # one reader: every use its own
+    alone.take("x")
+    alone.take("x")
+    assert alone.cursor == 1 and alone.next_use("x") == 2
 
 
 def test_a_shard_in_use_is_never_evicted_by_any_process(remote, proxy, tmp_path) -> None:

@@ -602,14 +602,16 @@ class StreamOrder:
                 read = dict(zip(sorted(block), itertools.islice(stream, len(block)), strict=True))
                 yield from (read[index] for index in block)
 
-    def worker_runs(self) -> list[Run]:
-        """What this DataLoader worker reads of the pass `take` started: its stretch of whole
-        batches of the base less the runs given. The stretches follow the base in worker
-        order, their batch counts within one of each other, the larger first; the base's
-        partial last batch (evaluation) goes to the worker whose turn it is after the full
-        ones. A worker reads whole shards but at most two (and the base's last one for that
-        partial batch), and no batch mixes two workers' samples."""
-        worker, workers = worker_part()
+    def worker_runs(self, worker: int | None = None) -> list[Run]:
+        """What this DataLoader worker (or worker `worker` of its loader) reads of the pass
+        `take` started: its stretch of whole batches of the base less the runs given. The
+        stretches follow the base in worker order, their batch counts within one of each
+        other, the larger first; the base's partial last batch (evaluation) goes to the
+        worker whose turn it is after the full ones. A worker reads whole shards but at most
+        two (and the base's last one for that partial batch), and no batch mixes two workers'
+        samples."""
+        this, workers = worker_part()
+        worker = this if worker is None else worker
         size = self.batch_size
         total = _length(self.base)
         batches, partial = divmod(total, size)

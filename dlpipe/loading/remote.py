@@ -16,10 +16,13 @@ of a shard the cache downloaded and checked against the manifest's size and sha2
 - **One cache per process**: each process that reads (the loader's process, or each DataLoader
   worker) makes its own `ShardCache` at its first read, after any fork, so no thread, lock or
   descriptor crosses a fork; the processes of a node share the folder (the store locks it).
-- **In read order**: the loading room tells the cache the shards this process reads next,
-  this epoch and the next (`RemoteShards.plan_map`, `plan_stream`), and releases each when
-  done. A process keeps shards open (held: never evicted) as local readers do, all of them when
-  the dataset fits in the limit, else at most `HELD_SHARE` of the limit per reader of the node.
+- **In read order**: the loading room tells the cache the shards the rank's DataLoader
+  workers read next, this epoch and the next, merged in the order they read them, and which
+  of those reads are this process's (`RemoteShards.plan_map`, `plan_stream`,
+  `dlpipe.loading.read_plan`): each process prefetches its own, and evicts by every worker's
+  next use, so the workers keep shards for each other. It releases each shard when done. A
+  process keeps shards open (held: never evicted) as local readers do, all of them when the
+  dataset fits in the limit, else at most `HELD_SHARE` of the limit per reader of the node.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dlpipe import storage
 from dlpipe.errors import ShardCorruptError
 from dlpipe.formats import ShardFormat, ShardReader
 from dlpipe.loading.order import EpochSampler, Segment, StreamOrder, worker_part
+from dlpipe.loading.read_plan import Uses, merged, runs_of
 from dlpipe.manifest import ShardInfo
 from dlpipe.sample import Sample
 from dlpipe.shard_cache import BELADY, CacheStats, ShardCache, ShardCacheLimitError
@@ -48,6 +52,10 @@ HELD_SHARE = 0.25
 open (the rest is for prefetch and for shards kept for their next use)."""
 MAX_PLAN = 1 << 18
 """The most shard uses one plan lists (two epochs of a huge split are cut there)."""
+_NO_USES: Uses = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+SKEW_BATCHES = 2
+"""How many batches one DataLoader worker may read ahead of another (torch's default prefetch
+factor): a plan counts the other workers' reads that far behind this one's as still to come."""
 POLICY: Literal["belady", "lru"] = BELADY
 """The eviction rule of the caches made here (LRU only for comparison, in benchmarks)."""
 
@@ -197,25 +205,40 @@ class RemoteShards:
 
     def plan_map(self, epoch: int, index: int) -> None:
         """A map-style loader reads sample `index` of `epoch`: at the first of an epoch in this
-        process, plan this worker's batches of the rest of the epoch and of the next one (the
-        DataLoader deals batch ``k`` of a pass to worker ``k % workers``)."""
+        process, plan the rank's batches of the rest of the epoch and of the next one, as its
+        workers read them (the DataLoader deals batch ``k`` of a pass to worker
+        ``k % workers``; `dlpipe.loading.read_plan`)."""
         if self._sampler is None or (self._planned == epoch and self._pid == os.getpid()):
             return
         sampler, (worker, workers) = self._sampler, worker_part()
         now, at = self._pass_order(sampler, epoch, index)
         block = sampler.block
-        first = at // block if at is not None else 0
-        ahead = _batches(now, block, first, workers) if at is not None else np.asarray([index])
-        following = _batches(sampler.indices(epoch + 1, 0), block, worker, workers)
-        samples = self._own(np.concatenate([ahead, following]))[: MAX_PLAN * 4]
-        self.plan(list(np.searchsorted(self._starts, samples, side="right") - 1))
+        if at is None:  # plan this read, then the next pass
+            ahead = [
+                self._uses(np.asarray([index])) if w == worker else _NO_USES for w in range(workers)
+            ]
+        else:  # worker w reads batch first + w of this worker's round, then every workers-th
+            first = at // block - worker
+            ahead = [
+                self._uses(_batches(now, block, max(first + w, 0), workers)) for w in range(workers)
+            ]
+        following = sampler.indices(epoch + 1, 0)
+        after = [self._uses(_batches(following, block, w, workers)) for w in range(workers)]
+        self._plan_merged([ahead, after], worker, block)
         self._planned = epoch
 
-    def _own(self, indices: np.ndarray) -> np.ndarray:
-        """The samples of this split among a sampler's `indices`, in order (see `follow`)."""
+    def _uses(self, indices: np.ndarray) -> Uses:
+        """One worker's sampler `indices`, in order, as uses of this split's shards: the
+        samples of this split among them (see `follow`) timed by their place in `indices`."""
         offset, modulus = self._part
         local = np.asarray(indices, dtype=np.int64) % modulus - offset
-        return local[(local >= 0) & (local < self._starts[-1])]
+        kept = np.flatnonzero((local >= 0) & (local < self._starts[-1]))
+        shards = np.searchsorted(self._starts, local[kept], side="right") - 1
+        return runs_of(kept, shards)
+
+    def _plan_merged(self, passes: Sequence[Sequence[Uses]], worker: int, batch: int) -> None:
+        order, mine = merged(passes, worker, MAX_PLAN, lag=SKEW_BATCHES * batch)
+        self.cache().plan([self.split_shards[i].name for i in order], mine)
 
     @staticmethod
     def _pass_order(sampler: EpochSampler, epoch: int, index: int) -> tuple[np.ndarray, int | None]:
@@ -230,12 +253,20 @@ class RemoteShards:
         return order, None
 
     def plan_stream(self, order: StreamOrder, segments: Sequence[Segment], epoch: int) -> None:
-        """A stream reader reads `segments` of `epoch`: plan their shards, then this worker's
-        shards of the next epoch."""
+        """A stream reader reads `segments` of `epoch`: plan the shards of every worker's
+        segments of this pass, then of the next epoch, as the workers read them (each its own
+        stretch, all at once; `dlpipe.loading.read_plan`)."""
+        worker, workers = worker_part()
         fresh = copy.copy(order)
         fresh.base, fresh.consumed = [order.rank_range()], []
-        following = order.segments(epoch + 1, fresh.worker_runs())
-        self.plan([s.shard for s in [*segments, *following]])
+        ahead = [
+            _segment_uses(segments if w == worker else order.segments(epoch, order.worker_runs(w)))
+            for w in range(workers)
+        ]
+        after = [
+            _segment_uses(fresh.segments(epoch + 1, fresh.worker_runs(w))) for w in range(workers)
+        ]
+        self._plan_merged([ahead, after], worker, order.batch_size)
 
 
 def share_limit(remotes: Sequence[RemoteShards], cache_limit: int | str | None) -> None:
@@ -268,6 +299,13 @@ def _node_readers() -> int:
     times the local ranks (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
     local_ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
     return worker_part()[1] * (int(local_ranks) if local_ranks.isdigit() else 1) or 1
+
+
+def _segment_uses(segments: Sequence[Segment]) -> Uses:
+    """A stream worker's `segments` as uses, timed by the samples read before each."""
+    lengths = [s.end - s.begin for s in segments]
+    times = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    return runs_of(times, np.asarray([s.shard for s in segments], dtype=np.int64))
 
 
 def _batches(indices: np.ndarray, block: int, first: int, step: int) -> np.ndarray:
