@@ -16,7 +16,10 @@ every format). The contenders give the same batches:
   and the same ops (its SanitizeBoundingBoxes drops labels; dlpipe's iscrowd too), in a
   ``DataLoader`` with the references' collate (``tuple(zip(*batch))``); dlpipe is
   ``dlpipe.make_loader(DATA, "train", LoaderConfig(batch_size=16))`` on the converted
-  dataset (the manifest's task picks the recipe).
+  dataset (the manifest's task picks the recipe), whose workers send a batch's targets as one
+  column per key (`dlpipe.loading.targets.TargetBatch`) where the baseline's send a
+  shared-memory segment per tensor. ``--detection-size N`` adds a last resize to N x N on
+  both sides, which dlpipe's decode meets at a DCT scale where N is at most half the side.
 - **segmentation**, the references' train recipe at their sizes (RandomResize(260, 1040),
   RandomHorizontalFlip, PadIfSmaller, RandomCrop(480)), batches of 16: the baseline is
   ``torchvision.datasets.VOCSegmentation`` over the raw folder,
@@ -124,9 +127,10 @@ def _references_collate(batch: list[Any]) -> tuple[Any, ...]:
     return tuple(zip(*batch, strict=True))
 
 
-def coco_baseline(raw: Path) -> Dataset:
-    """torchvision's CocoDetection + v2 wrapper + the detection train recipe's ops."""
-    *same, sanitize = detection_ops("train")
+def coco_baseline(raw: Path, size: int | None = None) -> Dataset:
+    """torchvision's CocoDetection + v2 wrapper + the detection train recipe's ops (with a
+    last resize to `size` x `size` where given)."""
+    *same, sanitize = detection_ops("train", size)
     assert isinstance(sanitize, v2.SanitizeBoundingBoxes)  # its labels: dlpipe's keep iscrowd
     ops = v2.Compose([v2.ToImage(), *same, v2.SanitizeBoundingBoxes()])
     annotations = str(raw / "annotations" / "instances_train.json")
@@ -148,14 +152,14 @@ def _stack_pairs(batch: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return images, masks
 
 
-def baseline_loader(task: str, raw: Path, workers: int) -> DataLoader:
-    dataset = coco_baseline(raw) if task == "detection" else voc_baseline(raw)
+def baseline_loader(task: str, raw: Path, workers: int, size: int | None = None) -> DataLoader:
+    dataset = coco_baseline(raw, size) if task == "detection" else voc_baseline(raw)
     collate = _references_collate if task == "detection" else _stack_pairs
     return baseline_dataloader(dataset, BATCH, workers, collate)
 
 
-def dlpipe_loader(task: str, data: Path, workers: int) -> Any:
-    size = SEG_CROP if task == "segmentation" else None
+def dlpipe_loader(task: str, data: Path, workers: int, size: int | None = None) -> Any:
+    size = SEG_CROP if task == "segmentation" else size
     config = LoaderConfig(batch_size=BATCH, image_size=size)
     chosen = {"num_workers": workers, "engine": "processes"}
     return make_loader(str(data), "train", config, workers=chosen, profile=None)
@@ -244,11 +248,13 @@ def _profiled(run: Callable[[], int]) -> dict[str, Any]:
     return {"cpu_ms_per_sample": 1e3 * spent / count, "top": text.getvalue()}
 
 
-def per_sample_profile(task: str, raw: Path, data: Path, samples: int) -> dict[str, Any]:
+def per_sample_profile(
+    task: str, raw: Path, data: Path, samples: int, size: int | None = None
+) -> dict[str, Any]:
     """Where one process's time goes: the baseline's dataset and dlpipe's loader (0 workers:
     everything in this process), each over `samples` samples."""
-    baseline = baseline_loader(task, raw, 0).dataset
-    loader = dlpipe_loader(task, data, 0)
+    baseline = baseline_loader(task, raw, 0, size).dataset
+    loader = dlpipe_loader(task, data, 0, size)
 
     def torchvision_side() -> int:
         for index in range(samples):
@@ -317,6 +323,16 @@ RECIPES = (
 )
 
 
+def _resized(size: int | None) -> str:
+    if size is None:
+        return ""
+    return (
+        f" Detection images are resized to {size} x {size} last (Resize before the box "
+        f"ops, on both sides): dlpipe decodes each {SIZE} px JPEG at the DCT scale that "
+        "keeps it at least that size."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=3000)
@@ -325,6 +341,12 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["detection", "segmentation"])
     parser.add_argument("--formats", nargs="+", default=["lmdb"], choices=FORMATS)
     parser.add_argument("--profile", type=int, default=200, help="samples profiled (0: none)")
+    parser.add_argument(
+        "--detection-size",
+        type=int,
+        help="resize detection images to N x N last (the recipe's image_size, on both sides; "
+        "dlpipe decodes a JPEG at a DCT scale where N is at most half its sides)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -334,29 +356,31 @@ def main() -> None:
     profiles: dict[str, Any] = {}
     for task in args.tasks:
         source = raw["coco"] if task == "detection" else raw["voc"]
-        loaders = {"torchvision": baseline_loader(task, source, args.workers)}
+        size = args.detection_size if task == "detection" else None
+        loaders = {"torchvision": baseline_loader(task, source, args.workers, size)}
         datasets = {}
         for fmt in args.formats:
             data = converted(source, fmt, work / f"{task}-{fmt}")
             datasets[fmt] = data
-            loaders[f"dlpipe {fmt}"] = dlpipe_loader(task, data, args.workers)
+            loaders[f"dlpipe {fmt}"] = dlpipe_loader(task, data, args.workers, size)
         log(f"{task}: {', '.join(loaders)}")
         table += summarise(task, side_by_side(loaders, args.rounds))
         loaders.clear()
         if args.profile:
             data = datasets[args.formats[0]]
-            profiles[task] = per_sample_profile(task, source, data, args.profile)
+            profiles[task] = per_sample_profile(task, source, data, args.profile, size)
     result = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": {
             "command": " ".join(["python benchmarks/task_loader.py", *sys.argv[1:]]),
             "json_name": "task_loader.json",
             "images": args.images,
+            "detection_size": args.detection_size,
             "workers": args.workers,
             "rounds": args.rounds,
         },
         "machine": machine_info(torch=torch.__version__, torchvision=torchvision.__version__),
-        "recipes": RECIPES,
+        "recipes": RECIPES + _resized(args.detection_size),
         "table": table,
         "profile": profiles,
         "total_s": time.perf_counter() - start,

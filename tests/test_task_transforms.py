@@ -10,6 +10,7 @@ import multiprocessing
 import pickle
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from torchvision.transforms.v2 import _utils as v2_utils
 from dlpipe import rle
 from dlpipe.annotations import encode_boxes, encode_masks
 from dlpipe.errors import FieldDecodeError
-from dlpipe.loading.targets import TargetSpec
+from dlpipe.loading.targets import INLINE_BYTES, TargetBatch, TargetSpec
 from dlpipe.loading.task_collate import (
     BatchShapeError,
     collate_detection,
@@ -185,6 +186,58 @@ def test_boxes_and_masks_move_with_the_pixels(policy: str) -> None:
             assert torch.equal(lit, mask.bool())
 
 
+def jpeg_sample() -> dict[str, Any]:
+    """`detection_sample` with its image as a quality-95 JPEG too (``jpg``)."""
+    sample = detection_sample()
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(sample["png"])).convert("RGB").save(buffer, "JPEG", quality=95)
+    return {**sample, "jpg": buffer.getvalue()}
+
+
+@pytest.mark.parametrize("policy", ["hflip", "eval"])
+def test_a_detection_resize_by_2x_decodes_at_half_size_and_keeps_the_geometry(
+    policy: str,
+) -> None:
+    """A 120 x 90 JPEG resized to 40 x 40 is decoded at DCT scale 1/2 (60 x 45); the boxes and
+    masks are torchvision's on the full decode exactly (scaled by the true ratio of the final
+    size to the original), the pixels within 2 levels on average: libjpeg's scaled decode
+    averages each 2 x 2 block before the resize where the full path's antialiased resize
+    weighs its neighbours, which differs by up to a few tens of levels on the boxes' hard
+    edges and by nothing on flat colour."""
+    sample = jpeg_sample()
+    reduced = TaskTransform(DETECTION, policy, 40, "jpg", seed=3)
+    assert reduced.decode_factor(WIDTH, HEIGHT) == 2
+    assert reduced.decode(sample)[0].shape == (3, HEIGHT // 2, WIDTH // 2)
+    reference = v2.Compose([*reference_detection("hflip").transforms[:1], v2.Resize((40, 40)),
+                            *reference_detection("hflip").transforms[1:]])  # fmt: skip
+    for index in range(4):
+        image, target = reduced(sample, epoch=0, index=index)
+        full = decode_rgb(sample["jpg"])
+        torch.manual_seed(reduced.rng_seed(0, index))
+        wanted = (v2.Resize((40, 40)) if policy == "eval" else reference)(
+            tv_tensors.Image(full), DETECTION.target(sample, (HEIGHT, WIDTH), 0)
+        )
+        for name in ("boxes", "labels", "masks"):
+            assert torch.equal(target[name], wanted[1][name]), name
+        assert tuple(target["boxes"].canvas_size) == (40, 40)
+        difference = (image.int() - wanted[0].as_subclass(torch.Tensor).int()).abs()
+        assert image.shape == (3, 40, 40) and difference.float().mean() <= 2
+
+
+def test_the_decode_scale_keeps_the_resize_s_size_and_divides_the_image() -> None:
+    def factor(policy: str, size: int | None, width: int, height: int) -> int:
+        return TaskTransform(DETECTION, policy, size, "jpg").decode_factor(width, height)
+
+    assert factor("hflip", 64, 512, 512) == 8 and factor("eval", 100, 640, 480) == 4
+    assert factor("hflip", 256, 512, 512) == 2 and factor("hflip", 300, 512, 512) == 1
+    assert factor("hflip", 100, 640, 427) == 1  # 427 rows: no scaled grid on the original's
+    png = TaskTransform(DETECTION, "hflip", 40, "png")  # not a JPEG: decoded whole
+    assert png.decode(detection_sample())[0].shape == (3, HEIGHT, WIDTH)
+    assert factor("ssd", 40, WIDTH, HEIGHT) == factor("hflip", None, WIDTH, HEIGHT) == 1
+    ssd = TaskTransform(DETECTION, "ssd", 40, "jpg")  # its resize follows a crop
+    assert ssd.decode(jpeg_sample())[0].shape == (3, HEIGHT, WIDTH)
+
+
 def test_a_resized_detection_batch_stacks_and_its_boxes_bound_the_pixels() -> None:
     transform = TaskTransform(DETECTION, "ssd", 64, "png", seed=0)
     pairs = [transform(detection_sample(), 0, index) for index in range(6)]
@@ -325,3 +378,27 @@ def test_batches_cross_worker_processes_with_their_tv_tensors() -> None:
     boxes = batches[0][1][0]["boxes"]
     assert isinstance(boxes, tv_tensors.BoundingBoxes) and tuple(boxes.canvas_size) == (40, 40)
     assert isinstance(batches[0][1][0]["masks"], tv_tensors.Mask)
+    assert all(type(targets) is list for _, targets in batches)  # unpacked as it arrived
+
+
+def test_a_worker_s_targets_travel_as_one_column_a_key_and_arrive_as_they_left() -> None:
+    """Small columns travel inside the pickle (no shared-memory segment, whose hand-over costs
+    a connection to the worker a tensor); masks past `INLINE_BYTES` as one tensor; the
+    unpickled list has each value's type, metadata and values, a key's tensors one storage."""
+    transform = TaskTransform(DETECTION, "hflip", None, "png", seed=2)
+    targets = [transform(detection_sample(f"s{i}"), 0, i)[1] for i in range(4)]
+    small = [{k: v for k, v in t.items() if k != "masks"} for t in targets]
+    assert b"rebuild_storage" in bytes(ForkingPickler.dumps(small))  # a segment per tensor
+    assert b"rebuild_storage" not in bytes(ForkingPickler.dumps(TargetBatch(small)))
+    assert sum(t["masks"].nbytes for t in targets) > INLINE_BYTES
+    arrived = pickle.loads(ForkingPickler.dumps(TargetBatch(targets)))
+    assert type(arrived) is list and len(arrived) == 4
+    for ours, sent in zip(arrived, targets, strict=True):
+        assert ours.keys() == sent.keys() and ours["image_id"] == sent["image_id"]
+        for name in ("boxes", "labels", "iscrowd", "masks"):
+            assert type(ours[name]) is type(sent[name]) and torch.equal(ours[name], sent[name])
+        assert ours["boxes"].format == sent["boxes"].format
+        assert ours["boxes"].canvas_size == sent["boxes"].canvas_size == (HEIGHT, WIDTH)
+    assert len({t["boxes"].untyped_storage().data_ptr() for t in arrived}) == 1
+    odd = [{"boxes": torch.zeros(1, 4)}, {"other": 1}]  # other keys: the plain list
+    assert pickle.loads(ForkingPickler.dumps(TargetBatch(odd)))[1] == {"other": 1}
