@@ -13,12 +13,19 @@ if TYPE_CHECKING:  # tune builds these and imports this module
 __all__ = ["crop_verdict", "decode_verdict", "verdict"]
 
 # why each detection and segmentation recipe decodes the whole image
+_SCALED = (
+    "it keeps every pixel of the image; with an image_size at most half a JPEG's sides it is "
+    "decoded at libjpeg's DCT scale 1/2, 1/4 or 1/8 before the resize"
+)
 _WHOLE_DECODE = {
     "segmentation train": "its random resize scales the whole image before the crop, so a "
     "region decoded alone and resized would not give the same pixels",
     "detection ssdlite": "its IoU crop is drawn inside torchvision's op, from the boxes; "
     "dlpipe does not draw it before the decode yet",
     "detection ssd": "its zoom-out pads the image before the crop",
+    "detection hflip": _SCALED,
+    "detection train": _SCALED,
+    "detection eval": _SCALED,
 }
 
 
