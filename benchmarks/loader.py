@@ -312,7 +312,7 @@ def stage_costs(datasets: dict[str, str]) -> dict[str, dict[str, float]]:
     """Per format, one process: the CPU microseconds per sample of each stage, from the
     tuner's own stage measurement (read, the loader's decode, crop + resize + flip, collate)."""
     from dlpipe.loading.config import LoaderConfig
-    from dlpipe.loading.tune import BenchConfig, measure_stages
+    from dlpipe.loading.tune_stages import BenchConfig, measure_stages
 
     out = {}
     for fmt, path in datasets.items():
@@ -750,7 +750,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Where a sample's CPU goes",
         "",
-        "One process, the tuner's stage measurement (`dlpipe.loading.tune.measure_stages`, "
+        "One process, the tuner's stage measurement (`dlpipe.loading.tune_stages.measure_stages`, "
         "after a warm-up), microseconds per sample: read the bytes, the loader's decode (box "
         "first, DCT scale when it allows, only the box's region where TurboJPEG 3 is "
         "installed), crop + resize + flip, collate into a batch of 64.",

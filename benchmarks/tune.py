@@ -7,7 +7,7 @@ On the photo-like JPEG corpus from ``benchmarks/corpus.py`` (default 800 images,
 1. the tuner: ``dlpipe.loading.tune.bench_loader(BenchConfig(path=path,
    loader=LoaderConfig(batch_size=64, image_size=224), budget_s=B))`` (stage measurement +
    hill-climb of worker processes, then threads, then prefetch, all within B seconds), and
-2. the exhaustive grid: ``dlpipe.loading.tune.run_trial`` for every ``num_workers`` in 0..4 x
+2. the exhaustive grid: ``dlpipe.loading.tune_search.run_trial`` for every ``num_workers`` in 0..4 x
    ``prefetch_factor`` in {2, 4, 8} (prefetch only when workers > 0) on worker processes,
    and every thread count in 1..4 x the same prefetch on the thread engine (25 trials),
    each measured for `GRID_TRIAL_S` seconds,
@@ -45,7 +45,9 @@ from corpus import DEFAULT_CORPUS, cached_corpus  # siblings
 from machine import machine_info as shared_machine_info
 
 from dlpipe.loading.config import LoaderConfig, WorkerSettings
-from dlpipe.loading.tune import BenchConfig, Trial, bench_loader, run_trial
+from dlpipe.loading.tune import bench_loader
+from dlpipe.loading.tune_search import Trial, run_trial
+from dlpipe.loading.tune_stages import BenchConfig
 
 FORMATS = ("wds", "lmdb", "hdf5")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

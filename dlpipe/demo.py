@@ -283,7 +283,8 @@ def _loader_config(config: DemoConfig) -> Any:
 
 
 def _tune(config: DemoConfig, data: str, console: Console) -> Any:
-    from dlpipe.loading.tune import BenchConfig, bench_loader, save_winner
+    from dlpipe.loading.tune import bench_loader, save_winner
+    from dlpipe.loading.tune_stages import BenchConfig
 
     bench = BenchConfig(
         path=data,

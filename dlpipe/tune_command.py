@@ -29,7 +29,9 @@ from dlpipe.options import add_config_command, write_config_file
 from dlpipe.text import printable
 
 if TYPE_CHECKING:  # the tuner imports torch: only when the command runs
-    from dlpipe.loading.tune import BenchConfig, BenchReport, Trial
+    from dlpipe.loading.tune import BenchReport
+    from dlpipe.loading.tune_search import Trial
+    from dlpipe.loading.tune_stages import BenchConfig
 
 log = logging.getLogger("dlpipe")
 
@@ -39,7 +41,7 @@ __all__ = ["add_bench_parser", "run_bench_loader"]
 def _bench_config(options: BenchLoaderConfig) -> BenchConfig:
     """The tuner's config: what the batches are (one `LoaderConfig`, as ``dlpipe train``
     builds it from the same values) and how long to search."""
-    from dlpipe.loading.tune import BenchConfig
+    from dlpipe.loading.tune_stages import BenchConfig
 
     loader = LoaderConfig(
         batch_size=options.batch_size,

@@ -271,15 +271,15 @@ def test_bench_loader_skips_worker_counts_the_machine_cannot_run(
 ) -> None:
     """--max-workers 100000 climbs past the machine: those trials are skipped, named, and
     the search goes on (the loader would refuse them)."""
-    from dlpipe.loading import tune
+    from dlpipe.loading import tune_search, tune_stages
 
     def fake(config, trial, seconds):
         trial.samples_per_s = 100.0 * (trial.settings.num_workers + 1)
         return trial
 
-    monkeypatch.setattr(tune, "run_trial", fake)
-    trials = tune.search(
-        tune.BenchConfig(path=make_dataset("lmdb"), max_workers=100_000, budget_s=2.0)
+    monkeypatch.setattr(tune_search, "run_trial", fake)
+    trials = tune_search.search(
+        tune_stages.BenchConfig(path=make_dataset("lmdb"), max_workers=100_000, budget_s=2.0)
     )
     ran = [t for t in trials if not t.skipped]
     skipped = [t for t in trials if t.skipped]

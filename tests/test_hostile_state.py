@@ -15,8 +15,9 @@ import pytest
 from conftest import FORMAT_NAMES, write_dataset
 
 import dlpipe
-from dlpipe.loading.order import EpochSampler, StreamOrder
+from dlpipe.loading.order import EpochSampler
 from dlpipe.loading.state import StateMismatchError
+from dlpipe.loading.stream_order import StreamOrder
 
 RANDOM_ACCESS = [f for f in FORMAT_NAMES if dlpipe.FORMATS[f].random_access]
 BATCH, GIVEN = 4, 2  # 32 train samples in batches of 4; the state is saved after 2 of them

@@ -107,7 +107,7 @@ def test_wds_split_smaller_than_a_batch_per_rank_says_so(tmp_path, samples) -> N
 
 
 def test_wds_resume_seeks_past_finished_blocks(make_dataset) -> None:
-    from dlpipe.loading.order import StreamOrder
+    from dlpipe.loading.stream_order import StreamOrder
 
     ds = dlpipe.open_dataset(make_dataset("wds"))
     order = StreamOrder([len(r) for r in ds.readers], shuffle=True, seed=3, equal_shares=False)

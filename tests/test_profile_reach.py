@@ -23,7 +23,7 @@ from test_train import TESTS, write_colours
 import dlpipe
 from dlpipe.cli import main
 from dlpipe.loading import profile as profiles
-from dlpipe.loading import tune
+from dlpipe.loading import tune, tune_search, tune_stages
 from dlpipe.loading.config import LoaderConfig, WorkerSettings
 from dlpipe.loading.profile import LoaderProfile, ProfileError, nearest_profile, save_profile
 
@@ -379,11 +379,11 @@ def test_the_launcher_tunes_once_for_a_ranks_share(data, monkeypatch, tmp_path) 
     from dlpipe.train.command import _tune_for_ranks
     from dlpipe.train.config import load_config
 
-    asked: list[tune.BenchConfig] = []
+    asked: list[tune_stages.BenchConfig] = []
 
     def search(config, on_trial=None, budget=None):
         asked.append(config)
-        return [tune.Trial(WorkerSettings(num_workers=1), samples_per_s=10.0)]
+        return [tune_search.Trial(WorkerSettings(num_workers=1), samples_per_s=10.0)]
 
     monkeypatch.setattr(tune, "search", search)
     monkeypatch.setattr("dlpipe.machine.usable_cpus", lambda: 6)

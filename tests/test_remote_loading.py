@@ -357,8 +357,8 @@ def test_two_workers_keep_shards_for_each_other_in_a_third_size_cache(s3, proxy,
     shards as never needed again), so the shards kept at the end of the first epoch are read
     in the second instead of downloaded again. Of the reads the order makes, at least the
     shards that fit beside the held ones and the prefetch windows are not downloaded again."""
-    from dlpipe.loading.order import StreamOrder
     from dlpipe.loading.remote import HELD_SHARE
+    from dlpipe.loading.stream_order import StreamOrder
 
     shards, per_shard, batch = 48, 8, 8
     folder = tmp_path / "data"

@@ -13,9 +13,9 @@ import torch.utils.data
 from conftest import batch_list, per_sample, write_dataset
 
 import dlpipe
-from dlpipe.loading import order as order_module
-from dlpipe.loading.order import StreamOrder
+from dlpipe.loading import stream_order as order_module
 from dlpipe.loading.state import StateMismatchError
+from dlpipe.loading.stream_order import StreamOrder
 
 
 def worker_batches(order: StreamOrder, workers: int, monkeypatch) -> list[list[list[int]]]:
@@ -228,7 +228,7 @@ def test_a_segment_inside_a_block_reads_only_its_own_samples(stream, monkeypatch
     """Workers' stretches begin and end inside the shuffle's blocks: each reads only its own
     samples' member data, and gets the samples the whole block's read gives."""
     from dlpipe.formats import wds
-    from dlpipe.loading.order import Segment
+    from dlpipe.loading.stream_order import Segment
 
     ds = dlpipe.open_dataset(stream)
     order = StreamOrder([len(r) for r in ds.readers], seed=4, batch_size=4)

@@ -11,7 +11,7 @@ import pytest
 import dlpipe
 from dlpipe import turbojpeg
 from dlpipe.cli import main
-from dlpipe.loading import tune, verdicts
+from dlpipe.loading import tune, tune_search, tune_stages, verdicts
 from dlpipe.loading.config import WorkerSettings
 
 # a budget for every trial of both engines (2 + 2 rungs, 2 prefetch) at the shortest window
@@ -24,11 +24,11 @@ def _trial(
     *,
     engine: str = "processes",
     samples_per_s: float = 0.0,
-) -> tune.Trial:
+) -> tune_search.Trial:
     settings = WorkerSettings(
         num_workers=num_workers, prefetch_factor=prefetch_factor, engine=engine
     )
-    return tune.Trial(settings, samples_per_s=samples_per_s)
+    return tune_search.Trial(settings, samples_per_s=samples_per_s)
 
 
 @pytest.mark.slow
@@ -60,13 +60,13 @@ def test_bench_loader_reports_saves_and_make_loader_uses_it(make_dataset, capsys
 def test_the_search_respects_the_ram_budget(make_dataset, monkeypatch) -> None:
     """1 GB a worker, 1.6 GB to spend: the climb's start (the core count, 2 here) would not
     fit, so it moves down to the main process; threads are never skipped."""
-    monkeypatch.setattr(tune, "available_memory", lambda: 2 * 10**9)
-    monkeypatch.setattr(tune, "_own_memory", lambda: 10**9)  # the guess before a worker ran
-    monkeypatch.setattr(tune, "_worker_rss", lambda: 10**9)  # 1 GB whatever the workers
-    monkeypatch.setattr(tune, "usable_cpus", lambda: 2)
-    monkeypatch.setattr(tune, "run_trial", lambda config, trial, seconds: _fake(trial))
-    config = tune.BenchConfig(path=make_dataset("lmdb"), max_workers=4)
-    trials = tune.search(config)
+    monkeypatch.setattr(tune_search, "available_memory", lambda: 2 * 10**9)
+    monkeypatch.setattr(tune_search, "_own_memory", lambda: 10**9)  # the guess before a worker ran
+    monkeypatch.setattr(tune_search, "_worker_rss", lambda: 10**9)  # 1 GB whatever the workers
+    monkeypatch.setattr(tune_search, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(tune_search, "run_trial", lambda config, trial, seconds: _fake(trial))
+    config = tune_stages.BenchConfig(path=make_dataset("lmdb"), max_workers=4)
+    trials = tune_search.search(config)
     skipped = [t for t in trials if t.skipped]
     assert skipped and skipped[0].settings.num_workers == 2 and "GB" in skipped[0].skipped
     processes = [t for t in trials if t.settings.engine == "processes" and not t.skipped]
@@ -78,12 +78,12 @@ def test_the_search_respects_the_ram_budget(make_dataset, monkeypatch) -> None:
 def test_a_measured_worker_size_replaces_the_guess(make_dataset, monkeypatch) -> None:
     """The guess (this process's size) lets 2 workers start; measured at 1.5 GB each, 3 and
     4 would not fit in 4 GB, and the climb stops up the ladder there."""
-    monkeypatch.setattr(tune, "available_memory", lambda: 5 * 10**9)
-    monkeypatch.setattr(tune, "_own_memory", lambda: 10**8)
-    monkeypatch.setattr(tune, "_worker_rss", lambda: 15 * 10**8)
-    monkeypatch.setattr(tune, "usable_cpus", lambda: 2)
-    monkeypatch.setattr(tune, "run_trial", lambda config, trial, seconds: _fake(trial))
-    trials = tune.search(tune.BenchConfig(path=make_dataset("lmdb"), max_workers=4))
+    monkeypatch.setattr(tune_search, "available_memory", lambda: 5 * 10**9)
+    monkeypatch.setattr(tune_search, "_own_memory", lambda: 10**8)
+    monkeypatch.setattr(tune_search, "_worker_rss", lambda: 15 * 10**8)
+    monkeypatch.setattr(tune_search, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(tune_search, "run_trial", lambda config, trial, seconds: _fake(trial))
+    trials = tune_search.search(tune_stages.BenchConfig(path=make_dataset("lmdb"), max_workers=4))
     processes = [
         (t.settings.num_workers, bool(t.skipped))
         for t in trials
@@ -105,25 +105,25 @@ def test_the_climb_starts_at_the_core_count_and_finds_the_peak(
     20 on the faster side)."""
     order: list[int] = []
 
-    def run(trial: tune.Trial, seconds: float) -> tune.Trial:
+    def run(trial: tune_search.Trial, seconds: float) -> tune_search.Trial:
         n = trial.settings.num_workers
         trial.samples_per_s = 1000.0 if n == 0 else 500.0 * min(n, peak) - 100.0 * max(n - peak, 0)
         order.append(n)
         return trial
 
-    counts = tune._worker_counts(2 * cores, cores)
+    counts = tune_search._worker_counts(2 * cores, cores)
     ladder = [_trial(n, 2 if n else None) for n in counts if n != 1]
-    best = tune._climb(run, ladder, cores, tune._Budget(60.0))
+    best = tune_search._climb(run, ladder, cores, tune_search._Budget(60.0))
     assert best.settings.num_workers == peak
     assert order[: len(expected)] == expected, order
     assert len(order) <= 6  # a handful of trials, not the ladder
 
 
 def test_the_ladder_doubles_to_the_core_count_then_grows_by_half() -> None:
-    assert tune._worker_counts(4, 2) == [0, 1, 2, 3, 4]
-    assert tune._worker_counts(32, 16) == [0, 1, 2, 4, 8, 16, 24, 32]
-    assert tune._worker_counts(8, 16) == [0, 1, 2, 4, 8]
-    assert tune._worker_counts(1, 2) == [0, 1]
+    assert tune_search._worker_counts(4, 2) == [0, 1, 2, 3, 4]
+    assert tune_search._worker_counts(32, 16) == [0, 1, 2, 4, 8, 16, 24, 32]
+    assert tune_search._worker_counts(8, 16) == [0, 1, 2, 4, 8]
+    assert tune_search._worker_counts(1, 2) == [0, 1]
 
 
 def test_the_search_ends_within_its_budget_on_a_machine_with_many_cores(
@@ -144,11 +144,12 @@ def test_the_search_ends_within_its_budget_on_a_machine_with_many_cores(
         trial.samples_per_s = 100.0 * (trial.settings.num_workers + 1)
         return trial
 
-    monkeypatch.setattr(tune, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(tune, "usable_cpus", lambda: 48)
-    monkeypatch.setattr(tune, "run_trial", fake)
-    config = tune.BenchConfig(path=make_dataset("lmdb"), budget_s=4.0)
-    trials = tune.search(config)
+    monkeypatch.setattr(tune_search, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(tune_search, "usable_cpus", lambda: 48)
+    monkeypatch.setattr(tune_stages, "usable_cpus", lambda: 48)  # its max_workers default
+    monkeypatch.setattr(tune_search, "run_trial", fake)
+    config = tune_stages.BenchConfig(path=make_dataset("lmdb"), budget_s=4.0)
+    trials = tune_search.search(config)
     assert all(start < 4.0 for start in starts[1:]), starts  # none begun once it was spent
     assert clock[0] <= 4.0 + 0.5 + 0.2 + 1e-9, clock[0]  # past it by one short trial at most
     assert all(0.5 <= w <= 10.0 for w in windows)
@@ -170,9 +171,9 @@ def test_the_search_keeps_the_faster_engine_and_tunes_its_prefetch(make_dataset,
 
     path = make_dataset("lmdb")
     for gain, engine in ((1.5, "threads"), (0.8, "processes")):
-        monkeypatch.setattr(tune, "run_trial", lambda c, t, s, g=gain: fake(c, t, s, g))
-        config = tune.BenchConfig(path=path, max_workers=4)
-        trials = tune.search(config)
+        monkeypatch.setattr(tune_search, "run_trial", lambda c, t, s, g=gain: fake(c, t, s, g))
+        config = tune_stages.BenchConfig(path=path, max_workers=4)
+        trials = tune_search.search(config)
         best = max(trials, key=lambda t: t.samples_per_s)
         assert (
             best.settings.engine == engine
@@ -185,18 +186,22 @@ def test_the_search_keeps_the_faster_engine_and_tunes_its_prefetch(make_dataset,
         assert (profile["engine"], profile["num_workers"]) == (engine, 2)
 
 
-def _fake(trial: tune.Trial) -> tune.Trial:
+def _fake(trial: tune_search.Trial) -> tune_search.Trial:
     trial.samples_per_s = 100.0 * (trial.settings.num_workers + 1)
-    trial.worker_rss_bytes = tune._worker_rss() * trial.settings.num_workers
+    trial.worker_rss_bytes = tune_search._worker_rss() * trial.settings.num_workers
     return trial
 
 
 def test_verdict_names_the_stage_that_costs_most() -> None:
-    stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440, read_mb_per_s=900)
+    stages = tune_stages.StageRates(
+        read=10_000, decode=500, transform=450, collate=440, read_mb_per_s=900
+    )
     best = _trial(2, samples_per_s=800)
     stage, advice = verdicts.verdict(stages, best, cores=2, image_size=224)
     assert stage == "decode" and "--max-side 448" in advice
-    slow_read = tune.StageRates(read=100, decode=95, transform=94, collate=93, read_mb_per_s=5)
+    slow_read = tune_stages.StageRates(
+        read=100, decode=95, transform=94, collate=93, read_mb_per_s=5
+    )
     stage, advice = verdicts.verdict(slow_read, best, cores=2, image_size=224)
     assert stage == "read" and "NVMe" in advice
 
@@ -208,7 +213,7 @@ def test_a_decode_bound_train_loader_without_region_decode_is_told_how_to_get_it
     installed: bool, crop_decode: bool, advised: bool, monkeypatch
 ) -> None:
     monkeypatch.setattr(turbojpeg, "_library", [object() if installed else None])
-    stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440,
+    stages = tune_stages.StageRates(read=10_000, decode=500, transform=450, collate=440,
                              read_mb_per_s=900, crop_decode=crop_decode)  # fmt: skip
     _, advice = verdicts.verdict(stages, _trial(2, samples_per_s=800), 2, 224)
     assert ("pip install 'dlpipe[jpeg-region]'" in advice) is advised, advice
@@ -221,7 +226,7 @@ def test_a_decode_bound_train_loader_on_plain_jpegs_is_told_to_make_them_seekabl
     share: float, crop_decode: bool, advised: bool, monkeypatch
 ) -> None:
     monkeypatch.setattr(turbojpeg, "_library", [object()])
-    stages = tune.StageRates(read=10_000, decode=500, transform=450, collate=440,
+    stages = tune_stages.StageRates(read=10_000, decode=500, transform=450, collate=440,
                              read_mb_per_s=900, crop_decode=crop_decode,
                              seekable_share=share)  # fmt: skip
     _, advice = verdicts.verdict(stages, _trial(2, samples_per_s=800), 2, 224)
@@ -242,8 +247,8 @@ def test_the_stage_table_counts_the_seekable_jpegs(tmp_path) -> None:
         out = tmp_path / f"out{len(extra)}"
         dlpipe.convert(str(raw), to="lmdb", out=str(out), workers=1,
                        **dict.fromkeys(extra, True))  # fmt: skip
-        config = tune.BenchConfig(path=str(out), loader=dlpipe.LoaderConfig(batch_size=4))
-        shares.append(tune.measure_stages(config, seconds=0.1).seekable_share)
+        config = tune_stages.BenchConfig(path=str(out), loader=dlpipe.LoaderConfig(batch_size=4))
+        shares.append(tune_stages.measure_stages(config, seconds=0.1).seekable_share)
     assert shares == [0.0, 1.0]
 
 
@@ -256,10 +261,10 @@ def test_a_gpu_target_measures_gpu_decode_and_the_verdict_says_why(
         trial.samples_per_s = 100.0 * (min(trial.settings.num_workers, 2) + 1) * gain
         return trial
 
-    monkeypatch.setattr(tune, "run_trial", fake)
-    monkeypatch.setattr(tune.torch.cuda, "is_available", lambda: True)
-    config = tune.BenchConfig(path=make_dataset("lmdb"), max_workers=2, device="cuda")
-    trials = tune.search(config)
+    monkeypatch.setattr(tune_search, "run_trial", fake)
+    monkeypatch.setattr(tune_search.torch.cuda, "is_available", lambda: True)
+    config = tune_stages.BenchConfig(path=make_dataset("lmdb"), max_workers=2, device="cuda")
+    trials = tune_search.search(config)
     gpu = [t for t in trials if t.settings.decode == "cuda"]
     assert len(gpu) == 1 and gpu[0].settings.pin_memory
     best = max(trials, key=lambda t: t.samples_per_s)
@@ -286,9 +291,11 @@ def test_the_stage_table_times_the_loaders_own_crop_aware_decode(make_dataset, m
         raise AssertionError("the train stages decoded a JPEG in full")
 
     monkeypatch.setattr(transforms_module, "decode_jpeg_box", recorded)
-    monkeypatch.setattr(tune, "decode_rgb", no_full_decode)
+    monkeypatch.setattr(tune_stages, "decode_rgb", no_full_decode)
     loader = dlpipe.LoaderConfig(batch_size=4, image_size=8)
-    stages = tune.measure_stages(tune.BenchConfig(path=make_dataset("lmdb"), loader=loader), 0.2)
+    stages = tune_stages.measure_stages(
+        tune_stages.BenchConfig(path=make_dataset("lmdb"), loader=loader), 0.2
+    )
     assert stages.read >= stages.decode >= stages.transform >= stages.collate > 0
     assert stages.crop_decode
     assert scales and max(scales) >= 2  # 8 px crops of 64-128 px photos decode scaled
@@ -299,13 +306,13 @@ def test_a_trial_with_more_workers_than_cores_warns_nothing(make_dataset) -> Non
     the DataLoader is built and again when it starts its workers) stays out of the report."""
     import warnings
 
-    config = tune.BenchConfig(
+    config = tune_stages.BenchConfig(
         path=make_dataset("lmdb"), loader=dlpipe.LoaderConfig(batch_size=4, image_size=16)
     )
     trial = _trial((os.cpu_count() or 1) + 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tune.run_trial(config, trial, 0.3)
+        tune_search.run_trial(config, trial, 0.3)
     assert trial.samples_per_s > 0
     assert not [w for w in caught if "worker" in str(w.message)], [str(w.message) for w in caught]
 
@@ -360,6 +367,6 @@ def test_a_trial_warms_up_every_worker_process_but_threads_in_one_batch(
             yield torch.zeros(4, 1), torch.zeros(4)
 
     seen: list[int] = []
-    monkeypatch.setattr(tune, "_worker_rss", lambda: seen.append(len(drawn)) or 0)
-    tune._measure(batches(), _trial(16, engine=engine), 0.05)
+    monkeypatch.setattr(tune_search, "_worker_rss", lambda: seen.append(len(drawn)) or 0)
+    tune_search._measure(batches(), _trial(16, engine=engine), 0.05)
     assert seen[0] == warmed

@@ -8,8 +8,8 @@ Iteration is split between (rank, world size) and DataLoader workers so that eve
 read exactly once per pass across all of them: random-access formats give each consumer a
 contiguous range of indices; the streaming format (wds) gives each rank an equal run of the
 shard stream and each worker every ``workers``-th of that run's shard segments
-(`dlpipe.loading.order` holds both splits; `make_loader` deals a stream to its workers in
-whole batches instead, so that no batch mixes them).
+(`dlpipe.loading.order` and `dlpipe.loading.stream_order` hold the two splits; `make_loader`
+deals a stream to its workers in whole batches instead, so that no batch mixes them).
 Readers open lazily in the process that reads, so the object is safe to hand to fork or spawn
 DataLoader workers. A dataset at a URL is read, in every format, from the local copies of its
 shard cache (`dlpipe.loading.remote`), which each reading process makes for itself; the
@@ -42,8 +42,9 @@ import torch.utils.data
 from dlpipe import storage
 from dlpipe.errors import DlpipeError
 from dlpipe.formats import ShardFormat, ShardReader, get_format
-from dlpipe.loading.order import EpochSampler, Segment, StreamOrder, reader_part
+from dlpipe.loading.order import EpochSampler, reader_part
 from dlpipe.loading.remote import CachedShardReader, RemoteShards
+from dlpipe.loading.stream_order import Segment, StreamOrder
 from dlpipe.manifest import (
     MANIFEST_NAME,
     Manifest,

@@ -38,8 +38,9 @@ import numpy as np
 from dlpipe import storage
 from dlpipe.errors import ShardCorruptError
 from dlpipe.formats import ShardFormat, ShardReader
-from dlpipe.loading.order import EpochSampler, Segment, StreamOrder, worker_part
+from dlpipe.loading.order import EpochSampler, worker_part
 from dlpipe.loading.read_plan import Uses, merged, runs_of
+from dlpipe.loading.stream_order import Segment, StreamOrder
 from dlpipe.manifest import ShardInfo
 from dlpipe.sample import Sample
 from dlpipe.shard_cache import BELADY, CacheStats, ShardCache, ShardCacheLimitError

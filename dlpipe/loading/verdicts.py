@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 from dlpipe.turbojpeg import INSTALL_HINT, region_library
 
 if TYPE_CHECKING:  # tune builds these and imports this module
-    from dlpipe.loading.tune import StageRates, Trial
+    from dlpipe.loading.tune_search import Trial
+    from dlpipe.loading.tune_stages import StageRates
 
 __all__ = ["crop_verdict", "decode_verdict", "verdict"]
 

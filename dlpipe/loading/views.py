@@ -34,10 +34,10 @@ from dlpipe.loading.order import (
     EpochSampler,
     PassOrder,
     Run,
-    StreamOrder,
     position_runs,
     worker_part,
 )
+from dlpipe.loading.stream_order import StreamOrder
 from dlpipe.loading.torch_private import (
     collate_tensors,
     collate_with,
