@@ -287,6 +287,7 @@ STAGES = {  # cProfile's name of a C call → the stage of a conversion it is
     "<built-in method posix.fsync>": "fsync",
     "<method 'read' of '_io.BufferedReader' objects>": "file reads",
     "<method 'readinto' of '_io.BufferedReader' objects>": "file reads",
+    "<built-in method posix.read>": "file reads",  # raw files are read from their descriptor
     "<method 'write' of '_io.BufferedWriter' objects>": "file writes",
     "<method 'flush' of '_io.BufferedWriter' objects>": "file writes",
     "<method 'close' of '_io.BufferedWriter' objects>": "file writes",

@@ -31,6 +31,7 @@ _ITEM_FIELDS = tuple(f.name for f in fields(Item))  # its values are plain data,
 MIN_SHARD_BYTES = 1 << 20
 MAX_SHARD_BYTES = 256 << 20
 TARGET_SHARDS = 64
+_ITEM_ENCODER = json.JSONEncoder(sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)
@@ -164,9 +165,10 @@ def _cut(items: list[Item], target: int) -> list[list[Item]]:
 def _fingerprint(tasks: Sequence[ShardTask], options: dict, classes: Sequence[str]) -> str:
     digest = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode())
     digest.update(json.dumps(list(classes)).encode())
+    encode = _ITEM_ENCODER.encode  # json.dumps's bytes, without an encoder made per item
     for task in tasks:
         digest.update(task.name.encode())
         for it in task.items:  # a flat dict, not asdict: its deep copy was 60% of this serial loop
             record = {name: getattr(it, name) for name in _ITEM_FIELDS}
-            digest.update(json.dumps(record, sort_keys=True, default=str).encode())
+            digest.update(encode(record).encode())
     return digest.hexdigest()

@@ -428,6 +428,17 @@ def _not_regular(path: str, kind: str) -> SampleError:
 
 def _open_inside(path: str, folder: str) -> IO[bytes] | None:
     """`path` opened without resolving it first, when it is no link and its opened file lies
+    inside the real `folder`; None sends the caller to the slow path (see `_fd_inside`).
+
+    Raises:
+        SampleError: the file inside `folder` is no regular file (a FIFO, a device).
+    """
+    fd = _fd_inside(path, folder)
+    return None if fd is None else os.fdopen(fd[0], "rb")
+
+
+def _fd_inside(path: str, folder: str) -> tuple[int, int] | None:
+    """The open descriptor and size of `path` when it is no link and its opened file lies
     inside the real `folder`; None sends the caller to the slow path, which resolves the path
     and names what is wrong (a link, a file outside `folder`, a missing file, no ``/proc``).
 
@@ -446,17 +457,17 @@ def _open_inside(path: str, folder: str) -> IO[bytes] | None:
         return None
     try:
         inside = storage.is_inside(os.readlink(f"/proc/self/fd/{fd}"), folder)
-        mode = os.fstat(fd).st_mode
+        info = os.fstat(fd)
     except OSError:  # no /proc
         inside = False
     if not inside:
         os.close(fd)
         return None
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise _not_regular(path, storage.file_kind(mode))
+        raise _not_regular(path, storage.file_kind(info.st_mode))
     os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+    return fd, info.st_size
 
 
 def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = None) -> bytes:
@@ -477,15 +488,39 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
     if placeholder is not None:  # an archive member or raw file, as unpacked (archive_view)
         _check_size(path, placeholder.size, max_bytes)
         return placeholder.read()
+    opened = None if folder is None or storage.is_url(path) else _fd_inside(path, folder)
+    if opened is not None:  # the common case, read straight from the descriptor
+        fd, size = opened
+        try:
+            _check_size(path, size, max_bytes)
+            return _read_fd(path, fd, size)
+        finally:
+            os.close(fd)
     with _open_raw(path, folder) as f:
         size = file_stamp(f)[0]
         _check_size(path, size, max_bytes)
         try:
             return f.read(size)
         except OSError as exc:
-            raise SampleError(
-                f"{display_path(path)}: cannot be read ({exc.strerror or exc})"
-            ) from exc
+            raise _unreadable(path, exc) from exc
+
+
+def _read_fd(path: str, fd: int, size: int) -> bytes:
+    """Up to `size` bytes of the open file `fd` (fewer only when it ends sooner)."""
+    try:
+        data = os.read(fd, size)
+        while len(data) < size:  # a short read: a signal, or a file that shrank
+            more = os.read(fd, size - len(data))
+            if not more:
+                break
+            data += more
+    except OSError as exc:
+        raise _unreadable(path, exc) from exc
+    return data
+
+
+def _unreadable(path: str, exc: OSError) -> SampleError:
+    return SampleError(f"{display_path(path)}: cannot be read ({exc.strerror or exc})")
 
 
 def _open_url(url: str) -> IO[bytes]:

@@ -188,6 +188,45 @@ def test_a_raw_file_is_read_only_where_the_kernel_places_it_inside_the_folder(tm
         read_file(str(raw / "c" / "a.jpg"), real)
 
 
+def test_a_raw_file_handed_over_in_pieces_is_read_whole_and_size_limits_hold(
+    tmp_path, monkeypatch
+) -> None:
+    """A read the kernel cuts short (a signal) still gives the whole file; a file over its
+    kind's byte limit is refused before it is read."""
+    from dlpipe.converters.source import SampleError, raw_folder_of, read_file
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    data = np.random.default_rng(0).bytes(250_001)
+    (raw / "a.jpg").write_bytes(data)
+    real_read = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: real_read(fd, min(n, 65_536)))
+    assert read_file(str(raw / "a.jpg"), raw_folder_of(str(raw))) == data
+    with pytest.raises(SampleError, match="250001 bytes, over the 1000-byte limit"):
+        read_file(str(raw / "a.jpg"), raw_folder_of(str(raw)), max_bytes=1000)
+
+
+@pytest.mark.parametrize("sizes", [(0, 1, 511), (512, 513, 4096), (4097, 100_000, 3)])
+def test_wds_samples_of_any_field_sizes_read_back_byte_for_byte(tmp_path, sizes) -> None:
+    """Small fields are written joined to their headers, large ones alone: a plain tar
+    reader gets every member back whole, and the shard's sha256 is its file's."""
+    rng = np.random.default_rng(sum(sizes))
+    samples = [
+        {"__key__": f"s{i}", **{f"f{j}.bin": rng.bytes(sizes[(i + j) % 3]) for j in range(3)}}
+        for i in range(3)
+    ]
+    out = tmp_path / "out"
+    with dlpipe.DatasetWriter(out=str(out), format="wds") as writer:
+        for sample in samples:
+            writer.write("train", sample)
+    (shard,) = dlpipe.read_manifest(str(out)).splits["train"].shards
+    assert shard.sha256 == hashlib.sha256((out / shard.name).read_bytes()).hexdigest()
+    with tarfile.open(out / shard.name) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    want = [(f"{s['__key__']}.{n}", v) for s in samples for n, v in s.items() if n != "__key__"]
+    assert members == want
+
+
 _FAULTS_AFTER_FREEING = """
 import resource, sys
 from dlpipe.converters.executors import keep_freed_memory

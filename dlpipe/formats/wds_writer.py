@@ -31,11 +31,17 @@ class WdsWriter(ShardFileWriter):
         self._digest = hashlib.sha256()
 
     def add(self, key: str, fields: dict[str, bytes]) -> None:
+        pending: list[bytes] = []  # headers, small values and padding: written as one piece
         for name, data in fields.items():
-            self._write(_header(f"{key}.{name}", len(data)))
-            self._write(data)
-            if len(data) % tarfile.BLOCKSIZE:
-                self._write(ZERO_BLOCK[: tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE])
+            pending.append(_header(f"{key}.{name}", len(data)))
+            if len(data) > _JOINED_BYTES:  # an image: written as it is, never copied
+                self._write(b"".join(pending))
+                self._write(data)
+                pending.clear()
+            else:
+                pending.append(data)
+            pending.append(ZERO_BLOCK[: -len(data) % tarfile.BLOCKSIZE])
+        self._write(b"".join(pending))
 
     def _write(self, data: bytes) -> None:
         self._file.write(data)
@@ -59,6 +65,7 @@ class WdsWriter(ShardFileWriter):
 
 _WRITE_BUFFER_BYTES = 1 << 20
 _WRITEBACK_BYTES = 8 << 20
+_JOINED_BYTES = 4096  # a field up to this size is joined to its header, not written alone
 
 ZERO_BLOCK = tarfile.NUL * tarfile.BLOCKSIZE
 USTAR_NAME_BYTES = tarfile.LENGTH_NAME
