@@ -131,7 +131,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, skip: Collection[
                 spec.flag,
                 dest=spec.name,
                 nargs="+",
-                action=functools.partial(TableFlag, depth=spec.table),  # type: ignore[arg-type]
+                action=functools.partial(TableFlag, read=spec.table),  # type: ignore[arg-type]
                 metavar=spec.metavar,
                 help=spec.help,
             )
@@ -168,12 +168,12 @@ def _item_type(spec: OptionSpec) -> Callable[[str], Any]:
     return spec.parse or {"int": int, "float": float}.get(spec.kind, str)
 
 
-class ListFlag(argparse.Action):
-    """A list option's flag: ``--weights 0.7 0.3`` or ``--weights 0.7,0.3`` (each word split
-    at its commas), each value read by `read` (the option's type); a bad one is the parser's
-    error, as a plain flag's is."""
+class _WordsFlag(argparse.Action):
+    """A flag that takes words (``nargs="+"``) and reads them with `read`, a setting the
+    subclass takes (its item type, or a table's depth); `collected` turns the words, and
+    what the flag holds already, into its value."""
 
-    def __init__(self, *args: Any, read: Callable[[str], Any], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, read: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.read = read
 
@@ -184,8 +184,20 @@ class ListFlag(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        pieces = [piece for word in values for piece in word.split(",") if piece.strip()]
-        setattr(namespace, self.dest, [self._read(piece) for piece in pieces])
+        setattr(namespace, self.dest, self.collected(getattr(namespace, self.dest, None), values))
+
+    def collected(self, held: Any, words: list[str]) -> Any:
+        raise NotImplementedError
+
+
+class ListFlag(_WordsFlag):
+    """A list option's flag: ``--weights 0.7 0.3`` or ``--weights 0.7,0.3`` (each word split
+    at its commas), each value read by `read` (the option's type); a bad one is the parser's
+    error, as a plain flag's is; the flag given again replaces the list."""
+
+    def collected(self, held: Any, words: list[str]) -> list[Any]:
+        pieces = [piece for word in words for piece in word.split(",") if piece.strip()]
+        return [self._read(piece) for piece in pieces]
 
     def _read(self, piece: str) -> Any:
         try:
@@ -197,30 +209,20 @@ class ListFlag(argparse.Action):
             raise argparse.ArgumentError(self, f"invalid {name} value: {piece!r}") from None
 
 
-class TableFlag(argparse.Action):
-    """A table option's flag: each word one entry, ``NAME=VALUE,...`` or, two levels deep,
-    ``KEY:NAME=VALUE,...`` (`table_word`); the words, and the flag given again, add up into
-    one table, and a name given two values is the parser's error."""
+class TableFlag(_WordsFlag):
+    """A table option's flag: each word one entry, ``NAME=VALUE,...`` or, two levels deep
+    (`read`: the depth), ``KEY:NAME=VALUE,...`` (`table_word`); the words, and the flag given
+    again, add up into one table, and a name given two values is the parser's error."""
 
-    def __init__(self, *args: Any, depth: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.depth = depth
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        table = getattr(namespace, self.dest, None) or {}
-        for word in values:
+    def collected(self, held: Any, words: list[str]) -> dict[str, Any]:
+        table = held or {}
+        for word in words:
             try:
-                entry = table_word(word, self.depth)
+                entry = table_word(word, self.read)
             except argparse.ArgumentTypeError as exc:
                 raise argparse.ArgumentError(self, str(exc)) from None
             self._add(table, entry, ())
-        setattr(namespace, self.dest, table)
+        return table
 
     def _add(self, table: dict[str, Any], entry: Mapping[str, Any], at: tuple[str, ...]) -> None:
         for key, value in entry.items():
