@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
+from dlpipe.annotations import four_numbers
 from dlpipe.converters.source import SampleError, SourceError, display_path, open_regular
 
 __all__ = [
@@ -51,7 +52,6 @@ _NUMBER_TAIL = re.compile(r"[0-9.eE+-]*")  # what may follow a number cut at the
 _NEAR_END = 64  # a decode error this close to the buffer's end may be a cut element
 
 _ID_TYPES = frozenset({int, str})
-_NUMBER_TYPES = frozenset({int, float})
 Handlers = dict[str, Callable[..., None]]
 ImageId = int | str
 Object = tuple[ImageId, int, float, float, float, float, int]
@@ -379,20 +379,12 @@ def _plain_object(entry: Any) -> tuple[ImageId, Object] | None:
         and type(category_id) is int
         and (crowd == 0 or crowd == 1)
         and type(crowd) is int
-        and type(box) is list
-        and len(box) == 4
+        and four_numbers(box)
+        and box[2] > 0
+        and box[3] > 0
     ):
         return None
     x, y, width, height = box
-    if not (
-        type(x) in _NUMBER_TYPES
-        and type(y) in _NUMBER_TYPES
-        and type(width) in _NUMBER_TYPES
-        and type(height) in _NUMBER_TYPES
-        and width > 0
-        and height > 0
-    ):
-        return None
     return cast(ImageId, image_id), cast(Object, (ann_id, category_id, x, y, width, height, crowd))
 
 

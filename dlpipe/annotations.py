@@ -45,7 +45,7 @@ import io
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -67,6 +67,7 @@ __all__ = [
     "encode_boxes",
     "encode_masks",
     "fit_annotations",
+    "four_numbers",
     "mask_schema",
     "read_boxes",
     "read_masks",
@@ -193,22 +194,27 @@ def _plain_boxes(boxes: list[Any]) -> bool:
     """True when every box is a list of 4 finite JSON numbers (a sum that is not finite, or
     an int too large for a float, sends the caller to its box-by-box check)."""
     for box in boxes:
-        if type(box) is not list or len(box) != 4:
-            return False
-        x0, y0, x1, y1 = box
-        if not (
-            type(x0) in _NUMBER_TYPES
-            and type(y0) in _NUMBER_TYPES
-            and type(x1) in _NUMBER_TYPES
-            and type(y1) in _NUMBER_TYPES
-        ):
+        if not four_numbers(box):
             return False
         try:
-            if not math.isfinite(x0 + y0 + x1 + y1):
+            if not math.isfinite(box[0] + box[1] + box[2] + box[3]):
                 return False
         except OverflowError:
             return False
     return True
+
+
+def four_numbers(box: Any) -> TypeGuard[list[Any]]:
+    """Whether `box` is a list of 4 JSON numbers (ints or floats as `json` decodes them; no
+    bools, no subclasses): the quick test of a box's shape."""
+    return (
+        type(box) is list
+        and len(box) == 4
+        and type(box[0]) in _NUMBER_TYPES
+        and type(box[1]) in _NUMBER_TYPES
+        and type(box[2]) in _NUMBER_TYPES
+        and type(box[3]) in _NUMBER_TYPES
+    )
 
 
 def _all_ints(values: list[Any]) -> bool:
