@@ -26,7 +26,9 @@ every format). The contenders give the same batches:
   ``wrap_dataset_for_transforms_v2``, ``v2.ToImage()`` and the same ops, stacked, the masks
   as int64 (the references' ``ToDtype``); dlpipe is
   ``make_loader(DATA, "train", LoaderConfig(batch_size=16, image_size=480))``, whose masks stay
-  uint8 (the trainer casts them on the device).
+  uint8 (the trainer casts them on the device) and whose ops draw the crop first, then resize
+  the whole image but only the crop window's mask (the same pixels and mask:
+  `dlpipe.loading.task_transforms.segmentation_train`).
 
 Every loader runs with the same worker processes (default: the usable cores), persistent,
 shuffled. Each is built once and given one untimed epoch (worker start, page cache); then, in

@@ -120,6 +120,15 @@ _lock = threading.Lock()
 _library: list[ctypes.CDLL | None] = []  # [] until looked up once per process
 
 
+def _fresh_lock() -> None:
+    """A forked child's own lock (a parent thread may hold it at the fork)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
+
+
 def region_library() -> ctypes.CDLL | None:
     """The TurboJPEG 3 library this process uses, or None (not installed, a 2.x library
     only, or ``DLPIPE_JPEG_REGION=0``)."""

@@ -167,6 +167,29 @@ def test_segmentation_recipes_are_torchvision_s_on_the_same_seeds(recipe: str) -
         assert image.dtype == torch.uint8 and mask.dtype == torch.uint8
 
 
+@pytest.mark.parametrize("shape", [(90, 120), (121, 77), (64, 64)])
+def test_the_segmentation_train_crop_is_torchvision_s_byte_for_byte(shape) -> None:
+    """The train recipe resizes only the crop window's mask and flips only the window's
+    pixels: over seeds that pad, crop, flip and upscale, on a mask whose every value differs
+    from its neighbours' (a wrong source row or column shows), the image and mask are the
+    reference's exactly, the padding the ignore value."""
+    noise = torch.Generator().manual_seed(shape[0])
+    image = tv_tensors.Image(torch.randint(0, 256, (*shape, 3), dtype=torch.uint8,
+                                           generator=noise).permute(2, 0, 1))  # fmt: skip
+    mask = tv_tensors.Mask(torch.randint(0, 255, shape, dtype=torch.uint8, generator=noise))
+    ours = TaskTransform(SEGMENTATION, "train", 64, "png", seed=1, base_size=80)
+    padded = 0
+    for index in range(40):
+        seed = ours.rng_seed(0, index)
+        out_image, out_mask = ours.apply(image, mask, seed)
+        torch.manual_seed(seed)
+        ref_image, ref_mask = reference_segmentation("train", 80, 64)(image, mask)
+        assert torch.equal(out_image, ref_image) and torch.equal(out_mask, ref_mask)
+        assert isinstance(out_mask, tv_tensors.Mask) and out_image.shape == (3, 64, 64)
+        padded += bool((out_mask == 255).any())
+    assert 0 < padded < 40  # resized smaller than the crop (padded) and larger
+
+
 def bounds(pixels: torch.Tensor) -> list[float]:
     rows = torch.nonzero(pixels.any(1)).flatten()
     cols = torch.nonzero(pixels.any(0)).flatten()
@@ -402,3 +425,32 @@ def test_a_worker_s_targets_travel_as_one_column_a_key_and_arrive_as_they_left()
     assert len({t["boxes"].untyped_storage().data_ptr() for t in arrived}) == 1
     odd = [{"boxes": torch.zeros(1, 4)}, {"other": 1}]  # other keys: the plain list
     assert pickle.loads(ForkingPickler.dumps(TargetBatch(odd)))[1] == {"other": 1}
+
+
+def test_a_fork_while_a_thread_draws_gives_the_child_a_free_generator_lock() -> None:
+    """A thread engine's thread may be inside the seeded draw when a loader forks its
+    workers: the fork waits for the draw to end, and the child starts with its own free lock
+    (it inherited a held one, and its workers hung)."""
+    import os
+    import threading
+
+    from dlpipe.loading import task_transforms
+
+    held, forking = threading.Event(), threading.Event()
+
+    def draw() -> None:
+        with task_transforms._RNG_LOCK:
+            held.set()
+            forking.wait(10)
+            threading.Event().wait(0.5)  # still drawing as the fork starts (liveness only)
+
+    drawer = threading.Thread(target=draw)
+    drawer.start()
+    held.wait(10)
+    forking.set()
+    pid = os.fork()
+    if pid == 0:  # the child: its lock must be free
+        os._exit(0 if task_transforms._RNG_LOCK.acquire(timeout=5) else 1)
+    _, status = os.waitpid(pid, 0)
+    drawer.join()
+    assert os.waitstatus_to_exitcode(status) == 0
