@@ -136,7 +136,7 @@ def test_workers_under_fork_and_spawn_give_every_sample_once(fmt, context, make_
 
 
 def _worker_pss(loader) -> int:
-    from dlpipe.loading.tune import _worker_rss
+    from dlpipe.loading.tune_search import _worker_rss
 
     return _worker_rss()
 

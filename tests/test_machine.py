@@ -19,7 +19,7 @@ import json, os, sys
 os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 from dlpipe.doctor import Probe
 from dlpipe.loading.profile import machine_key
-from dlpipe.loading.tune import BenchConfig
+from dlpipe.loading.tune_stages import BenchConfig
 from dlpipe.machine import usable_cpus
 import dlpipe
 loader = dlpipe.make_loader(sys.argv[1], "train", dlpipe.LoaderConfig(batch_size=4), profile=None)

@@ -111,13 +111,10 @@ def test_a_single_dataset_config_of_old_still_reads_as_one_path(tmp_path) -> Non
         (["A", "--weights", "1"], "--weights 1 mixes several datasets, but one was given"),
         (["A", "B", "--weights", "1"], "is not a list of 2 weights"),
         (["A", "B", "--weights", "1,-1"], "argument --weights: -1 is not a finite number"),
-        (["A", "W"], "is a wds dataset, which streams"),
     ],
 )
 def test_a_bad_mixture_is_one_error_line(mix, tmp_path, capsys, args, message) -> None:
     paths = {"A": mix[0], "B": mix[1]}
-    if "W" in args:
-        paths["W"] = write_colours(tmp_path / "w-wds", "wds", train=16, val=4)
     argv = [paths.get(arg, arg) for arg in args]
     try:
         code = main(["train", *argv, "--out", str(tmp_path / "run"), *COMMON])
