@@ -506,17 +506,11 @@ def read_file(path: str, folder: str | None = None, *, max_bytes: int | None = N
 
 
 def _read_fd(path: str, fd: int, size: int) -> bytes:
-    """Up to `size` bytes of the open file `fd` (fewer only when it ends sooner)."""
+    """Up to `size` bytes of the open regular file `fd` (fewer only when it ends sooner)."""
     try:
-        data = os.read(fd, size)
-        while len(data) < size:  # a short read: a signal, or a file that shrank
-            more = os.read(fd, size - len(data))
-            if not more:
-                break
-            data += more
+        return storage.read_at(fd, 0, size)
     except OSError as exc:
         raise _unreadable(path, exc) from exc
-    return data
 
 
 def _unreadable(path: str, exc: OSError) -> SampleError:

@@ -426,6 +426,21 @@ def _open_lock_file(out: str) -> int:
     return fd
 
 
+def read_at(fd: int, offset: int, size: int) -> bytes:
+    """Up to `size` bytes at `offset` of the regular file `fd` (fewer only where the file
+    ends), leaving its position alone: one read, more only where the kernel returns less (a
+    signal, over 2 GiB).
+
+    Raises:
+        OSError: the read failed.
+    """
+    parts = []
+    while size > 0 and (part := os.pread(fd, size, offset)):
+        parts.append(part)
+        offset, size = offset + len(part), size - len(part)
+    return b"".join(parts)
+
+
 def _is_regular(fd: int) -> bool:
     return stat.S_ISREG(os.fstat(fd).st_mode)
 

@@ -199,8 +199,8 @@ def test_a_raw_file_handed_over_in_pieces_is_read_whole_and_size_limits_hold(
     raw.mkdir()
     data = np.random.default_rng(0).bytes(250_001)
     (raw / "a.jpg").write_bytes(data)
-    real_read = os.read
-    monkeypatch.setattr(os, "read", lambda fd, n: real_read(fd, min(n, 65_536)))
+    real_read = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: real_read(fd, min(n, 65_536), at))
     assert read_file(str(raw / "a.jpg"), raw_folder_of(str(raw))) == data
     with pytest.raises(SampleError, match="250001 bytes, over the 1000-byte limit"):
         read_file(str(raw / "a.jpg"), raw_folder_of(str(raw)), max_bytes=1000)

@@ -45,7 +45,7 @@ from dlpipe.formats.base import (
     check_schema,
     open_regular_file,
 )
-from dlpipe.formats.wds_index import IndexedFile, SampleIndex, pread, recorded
+from dlpipe.formats.wds_index import IndexedFile, SampleIndex, recorded
 from dlpipe.formats.wds_writer import (
     USTAR_AFTER_SIZE,
     USTAR_MIDDLE,
@@ -201,7 +201,7 @@ class WdsReader(ShardReader):
     def _read_member(self, f: IO[bytes], index: int, name: str, offset: int, size: int) -> bytes:
         """`size` bytes at `offset`, read without moving the file position; a member cut
         short (the file shrank under the reader) is the error a pass gives."""
-        data = pread(f.fileno(), offset, size)
+        data = storage.read_at(f.fileno(), offset, size)
         if len(data) != size:
             raise self.corrupt(f"member {name!r} ends after {len(data)} of its {size} bytes", index)
         return data

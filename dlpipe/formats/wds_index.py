@@ -1,17 +1,16 @@
 """A wds shard's sample index: each sample's key and members (field, data offset, size),
-walked once from the member headers by `dlpipe.formats.wds.WdsReader.get`, and the positioned
-reads that read a sample from it."""
+walked once from the member headers by `dlpipe.formats.wds.WdsReader.get`, which then reads
+a sample's members by positioned reads (`dlpipe.storage.read_at`)."""
 
 from __future__ import annotations
 
 import array
-import os
 import sys
 import tarfile
 from collections.abc import Iterator
 from typing import IO, NamedTuple
 
-__all__ = ["FileId", "IndexedFile", "SampleIndex", "pread", "recorded"]
+__all__ = ["FileId", "IndexedFile", "SampleIndex", "recorded"]
 
 FileId = tuple[int, int, int, int]
 """A shard file as `os.fstat` tells it: device, inode, size, modification time (ns)."""
@@ -63,13 +62,3 @@ def recorded(members: Iterator[tarfile.TarInfo], index: SampleIndex) -> Iterator
     for member in members:
         index.add(member)
         yield member
-
-
-def pread(fd: int, offset: int, size: int) -> bytes:
-    """Up to `size` bytes at `offset` of `fd` (fewer only where the file ends), leaving its
-    position alone: one read, more only where the kernel returns less (over 2 GiB)."""
-    parts = []
-    while size > 0 and (part := os.pread(fd, size, offset)):
-        parts.append(part)
-        offset, size = offset + len(part), size - len(part)
-    return b"".join(parts)
