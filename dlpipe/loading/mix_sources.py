@@ -97,7 +97,14 @@ class MixedDataset(torch.utils.data.Dataset):
         return source, at - self.offsets[source]
 
     def __getitem__(self, code: int) -> Any:
+        return self.read(code)
+
+    def read(self, code: int, epoch: int | None = None) -> Any:
+        """The sample of `code`, its source's index added; with the loader's `epoch`, its
+        source's cache (a URL's) is told the read first, and plans from it."""
         source, index = self.locate(code)
+        if epoch is not None:
+            self.sources[source].readers.reading(epoch, code)
         return {**self.sources[source][index], SOURCE_FIELD: source}
 
     def follow(self, sampler: EpochSampler) -> None:
@@ -105,10 +112,6 @@ class MixedDataset(torch.utils.data.Dataset):
         cache plans its reads from the codes that are its samples."""
         for source, offset in zip(self.sources, self.offsets, strict=False):
             source.readers.follow(sampler, (offset, len(self)))
-
-    def reading(self, epoch: int, code: int) -> None:
-        """The loader reads `code` of `epoch` next (its source's cache plans from it)."""
-        self.sources[self.locate(code)[0]].readers.reading(epoch, code)
 
     def close(self) -> None:
         for source in self.sources:

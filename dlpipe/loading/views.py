@@ -96,8 +96,8 @@ class MixView(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, int]) -> Any:
         epoch, code = item
-        self.dataset.reading(epoch, code)  # a remote source's cache plans from it
-        return apply_transform(self.transform, self.dataset[code], epoch, code)
+        sample = self.dataset.read(code, epoch)  # a remote source's cache plans from it
+        return apply_transform(self.transform, sample, epoch, code)
 
 
 class MixTransform:
