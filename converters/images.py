@@ -10,6 +10,13 @@ so that train crops entropy-decode only their box. Before any of that, the
 header's width x height is held to the pixel limit (`dlpipe.codecs.check_image_pixels`): a
 decompression bomb is one skipped sample naming its size, not a conversion out of memory.
 Reasons are stable text (no memory addresses), so ``errors.jsonl`` is the same run to run.
+
+A grey or YCbCr JPEG that libjpeg-turbo decodes without a single warning takes a shorter road
+to the same check: simplejpeg reads its header and decodes it at 1/8 scale to grey in C
+(`_quick_jpeg_draft`), the pixels Pillow's draft gives, without Pillow's header parsing in
+Python (about 90 us an image less, an eighth of the check). Anything else (a warning, an
+error, another colour space, a side under 8 pixels, an image over the pixel limit) goes
+through Pillow, which decides and words the error as before.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import io
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+import simplejpeg
 from PIL import Image
 
 from dlpipe.codecs import ImageTooLargeError, max_image_pixels, open_image, stable_message
@@ -32,6 +41,8 @@ __all__ = ["ImagePolicy", "PreparedImage", "image_dhash", "prepare_image"]
 _KINDS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 _PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 _JPEG_MODES = frozenset({"RGB", "L", "CMYK"})
+_QUICK_COLORSPACES = frozenset({"Gray", "YCbCr"})  # Pillow's modes L and RGB, drafted to grey
+_DRAFT_SCALE = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +106,11 @@ def prepare_image(data: bytes, policy: ImagePolicy, origin: str) -> PreparedImag
     """
     if not data:
         raise SampleError(f"{origin}: empty file (0 bytes), not an image")
+    if policy.field == "jpg":
+        quick = _quick_jpeg_draft(data, policy.max_side)
+        if quick is not None:
+            size, fingerprint = quick
+            return PreparedImage(_seekable(data, policy), False, size, size, fingerprint)
     try:
         image = open_image(data, max_image_pixels())  # the pixel limit first, from the headers
         kept = _KINDS.get(image.format or "") == policy.field
@@ -124,6 +140,37 @@ def _draft_dhash(image: Image.Image) -> int:
     return dhash(image)
 
 
+def _quick_jpeg_draft(data: bytes, max_side: int | None) -> tuple[tuple[int, int], int] | None:
+    """(width, height) and difference hash of a JPEG that is kept as it is, from
+    libjpeg-turbo's 1/8-scale grey decode through simplejpeg: Pillow's draft decode (scale 8
+    for sides of 8 pixels or more, grey output from a grey or YCbCr file: the same library
+    call, the same pixels), without Pillow. None sends the image to Pillow: not a JPEG, a
+    colour space Pillow drafts otherwise, a side under 8 (Pillow's draft takes another
+    scale), over the pixel limit or `max_side` (Pillow names it, or re-encodes), and any
+    libjpeg warning or error (Pillow accepts some warnings, and words every refusal)."""
+    if not data.startswith(b"\xff\xd8"):
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    small = width < _DRAFT_SCALE or height < _DRAFT_SCALE
+    if small or colorspace not in _QUICK_COLORSPACES or width * height > max_image_pixels():
+        return None
+    if max_side is not None and max(width, height) > max_side:
+        return None
+    shape = (-(-height // _DRAFT_SCALE), -(-width // _DRAFT_SCALE))
+    try:
+        grey = simplejpeg.decode_jpeg(
+            data, colorspace="GRAY", min_height=shape[0], min_width=shape[1], strict=True
+        )
+    except ValueError:
+        return None
+    if grey.shape[:2] != shape:  # not the 1/8 scale Pillow's draft decodes (never seen)
+        return None
+    return (width, height), dhash(Image.fromarray(np.ascontiguousarray(grey[:, :, 0])))
+
+
 def image_dhash(data: bytes) -> int:
     """The difference hash of an encoded image, decoded as the integrity check decodes it (a
     JPEG at 1/8 scale), so that it is the same whether or not the image is re-encoded.
@@ -131,6 +178,9 @@ def image_dhash(data: bytes) -> int:
     Raises:
         SampleError: the image cannot be decoded, or is over the pixel limit.
     """
+    quick = _quick_jpeg_draft(data, None)
+    if quick is not None:
+        return quick[1]
     try:
         return _draft_dhash(open_image(data, max_image_pixels()))
     except ImageTooLargeError as exc:
