@@ -68,7 +68,7 @@ __all__ = ["LMDB", "META_KEY", "index_key"]
 
 META_KEY = b"dlpipe.meta"
 _INDEX = struct.Struct(">Q")
-_COMMIT_EVERY_BYTES = 64 << 20
+_COMMIT_EVERY_BYTES = 2 << 20  # see LmdbWriter's docstring
 _INITIAL_MAP_BYTES = 1 << 30
 # The first bytes of an LMDB data file (lmdb.h, 64-bit builds; native byte order): a page
 # header (page number, pad, flags) then MDB_meta: magic, version, address, map size, two MDB_db
@@ -109,7 +109,11 @@ def _disk_error(exc: lmdb.Error, path: str) -> OSError:
 
 class LmdbWriter(ShardFileWriter):
     """Puts each sample into an open write transaction as it is added; the transaction commits
-    every 64 MiB of values, and at close.
+    every 2 MiB of values, and at close. A commit writes its dirty pages in one ``writev``: a
+    whole shard's (30 MB, one commit per shard before) took three times the system time of the
+    same bytes in 2 MiB commits (the kernel's copy into the page cache; 4.5 against 1.5 CPU
+    seconds for 20,000 images, benchmarks/convert.py); each commit adds one meta page and the
+    copied path to the last leaf (0.3 % more file).
 
     A value is packed into one reused MessagePack buffer, from which LMDB copies it into its
     page, so no packed value outlives its `add` (a fresh packed copy of every value, held until
