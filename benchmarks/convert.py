@@ -81,7 +81,7 @@ from dlpipe.machine import usable_cpus
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import dlpipe_executable, write_results  # sibling scripts
-from convert_detection import audit_cost, coco_view
+from convert_detection import audit_cost, coco_view, instances_parse_s
 from convert_jobs import (
     DISK_FILE_BYTES,
     copy_and_decode,
@@ -434,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         warmup_s = time.perf_counter() - t0
         notes = run_all(bench, args, round_loads)
         audit = audit_cost(bench.files)
+        if bench.coco_root is not None:
+            audit["instances_json_load_s"] = instances_parse_s(bench.coco_root)
         profile, stages = profile_dlpipe(bench.root, work) if args.profile else (None, None)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -7,9 +7,9 @@ ids (gapped, 1..90), so that ``dlpipe convert VIEW --source coco`` reads the sam
 one-pass reference plus one instances JSON.
 
 `audit_cost` times, in this one process, what the duplicate audit adds to the decode check
-that convert does: the check as it was without the audit (a colour draft decode), then as it
-is (a grey draft decode, the difference hash it feeds, the file's sha256); and
-`find_duplicates` over every image's fingerprints.
+that convert does: the reference's colour draft decode, convert's grey 1/8-scale decode alone,
+then with the difference hash it feeds; and `find_duplicates` over every image's
+fingerprints. `instances_parse_s` times one ``json.load`` of the view's instances file.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import simplejpeg
 from PIL import Image
 
 from dlpipe.codecs import image_size
-from dlpipe.converters.audit import Fingerprint, dhash, find_duplicates
+from dlpipe.converters import images
+from dlpipe.converters.audit import Fingerprint, find_duplicates
 
-__all__ = ["COCO_CATEGORY_IDS", "audit_cost", "coco_view"]
+__all__ = ["COCO_CATEGORY_IDS", "audit_cost", "coco_view", "instances_parse_s"]
 
 COCO_CATEGORY_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
 MEAN_OBJECTS = 7.3
@@ -97,24 +99,33 @@ def _draft(data: bytes, mode: str | None = None) -> Image.Image:
 
 
 def audit_cost(files: Sequence[str], sample: int = 2000, repeats: int = 3) -> dict[str, Any]:
-    """CPU seconds per image of the draft decode alone and with the audit's fingerprints (the
-    best of `repeats` passes over `sample` images), and `find_duplicates` over all `files`."""
+    """CPU seconds per image (the best of `repeats` passes over `sample` images) of the
+    reference's colour draft decode, of convert's check without the audit (libjpeg-turbo's grey
+    1/8-scale decode through simplejpeg) and with it (the same decode and the difference hash:
+    `dlpipe.converters.images`' quick road), and `find_duplicates` over all `files`."""
     chosen = list(files[:: max(1, len(files) // sample)])[:sample]
     blobs = []
     for path in chosen:
         with open(path, "rb") as f:
             blobs.append(f.read())
 
-    def decode_only() -> None:  # the check before the audit: a colour draft
+    def reference() -> None:  # the one-pass reference's check: a colour draft
         for data in blobs:
             _draft(data)
 
-    def with_audit() -> None:  # the check now: a grey draft, which the hash reads
+    def grey_decode() -> None:  # convert's check less the audit
         for data in blobs:
-            dhash(_draft(data, "L"))  # a file's sha256 only when its group could be copies
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            simplejpeg.decode_jpeg(
+                data, colorspace="GRAY", min_height=-(-height // 8), min_width=-(-width // 8)
+            )
+
+    def with_audit() -> None:  # convert's check as it runs (a file's sha256 only when its
+        for data in blobs:  # group could be exact copies)
+            assert images._quick_jpeg_draft(data, None) is not None
 
     timings = {}
-    for name, run in (("draft decode", decode_only), ("draft decode + fingerprints", with_audit)):
+    for name, run in (("reference", reference), ("grey", grey_decode), ("check", with_audit)):
         best = float("inf")
         for _ in range(repeats):
             t0 = time.process_time()
@@ -129,12 +140,21 @@ def audit_cost(files: Sequence[str], sample: int = 2000, repeats: int = 3) -> di
     t0 = time.process_time()
     find_duplicates(prints, read=lambda p: b"")  # sizes differ: nothing is read
     grouping_s = time.process_time() - t0
-    decode, both = timings["draft decode"], timings["draft decode + fingerprints"]
     return {
         "images_timed": len(blobs),
-        "draft_decode_us": 1e6 * decode,
-        "with_fingerprints_us": 1e6 * both,
-        "fingerprint_us": 1e6 * (both - decode),
+        "draft_decode_us": 1e6 * timings["reference"],
+        "grey_decode_us": 1e6 * timings["grey"],
+        "with_fingerprints_us": 1e6 * timings["check"],
+        "fingerprint_us": 1e6 * (timings["check"] - timings["grey"]),
         "grouping_images": len(files),
         "grouping_s": grouping_s,
     }
+
+
+def instances_parse_s(coco_root: str) -> float:
+    """CPU seconds of one ``json.load`` of the view's instances file: the least a conversion
+    that reads the annotations adds to the one-pass reference (which reads only images)."""
+    t0 = time.process_time()
+    with open(os.path.join(coco_root, "annotations", "instances_train.json"), "rb") as f:
+        json.load(f)
+    return time.process_time() - t0
