@@ -282,12 +282,16 @@ def parse_summary(stdout: str, images: int) -> dict[str, Any]:
 
 
 STAGES = {  # cProfile's name of a C call → the stage of a conversion it is
+    # simplejpeg's decode is a Cython function, which cProfile does not see: its time is the
+    # own time of the function that calls it (the header read and array hand-over beside it)
+    "_quick_jpeg_draft": "JPEG draft decode (libjpeg-turbo)",
     "<method 'decode' of 'ImagingDecoder' objects>": "JPEG draft decode (libjpeg-turbo)",
     "<method 'update' of '_hashlib.HASH' objects>": "sha256",
     "<built-in method posix.fsync>": "fsync",
     "<method 'read' of '_io.BufferedReader' objects>": "file reads",
     "<method 'readinto' of '_io.BufferedReader' objects>": "file reads",
-    "<built-in method posix.read>": "file reads",  # raw files are read from their descriptor
+    "<built-in method posix.read>": "file reads",
+    "<built-in method posix.pread>": "file reads",  # raw files are read from their descriptor
     "<method 'write' of '_io.BufferedWriter' objects>": "file writes",
     "<method 'flush' of '_io.BufferedWriter' objects>": "file writes",
     "<method 'close' of '_io.BufferedWriter' objects>": "file writes",
