@@ -6,6 +6,7 @@ import io
 
 import numpy as np
 import pytest
+import simplejpeg
 from PIL import Image
 
 from dlpipe.codecs import set_max_image_pixels
@@ -58,6 +59,11 @@ def both_roads(monkeypatch, data: bytes, policy: ImagePolicy | None = None):
     return now, any(taken), pillow
 
 
+def turbo_jpeg(image: Image.Image, subsampling: str) -> bytes:
+    """libjpeg-turbo's encoder, for the subsamplings Pillow does not write."""
+    return simplejpeg.encode_jpeg(np.asarray(image), quality=85, colorsubsampling=subsampling)
+
+
 KEPT = {
     "4:2:0": (lambda: photo(401, 355), {"quality": 90}),
     "4:2:2": (lambda: photo(333, 250, 1), {"quality": 85, "subsampling": 1}),
@@ -70,6 +76,12 @@ KEPT = {
     "9x17": (lambda: photo(9, 17, 8), {"quality": 90}),
     "1x1 MCU wide, tall": (lambda: photo(15, 801, 9), {"quality": 90}),
 }
+TURBO = {
+    "4:4:0": lambda: turbo_jpeg(photo(203, 151, 20), "440"),
+    "4:1:1": lambda: turbo_jpeg(photo(203, 151, 21), "411"),
+    "trailing bytes after the end of image": lambda: jpeg(photo(90, 60, 23)) + b"\0junk" * 50,
+    "an EXIF block": lambda: jpeg(photo(90, 60, 24), exif=Image.Exif()),
+}
 
 
 @pytest.mark.parametrize("name", KEPT)
@@ -80,6 +92,14 @@ def test_the_quick_road_gives_pillows_size_bytes_and_hash(monkeypatch, name) -> 
     assert quick, f"{name}: took Pillow's road"
     assert now == pillow
     assert image_dhash(data) == now.dhash
+
+
+@pytest.mark.parametrize("name", TURBO)
+def test_other_subsamplings_and_extra_bytes_give_pillows_outcome(monkeypatch, name) -> None:
+    data = TURBO[name]()
+    now, quick, pillow = both_roads(monkeypatch, data)
+    assert now == pillow
+    assert quick, f"{name}: took Pillow's road"
 
 
 DEFERRED = {
