@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -80,8 +81,9 @@ def run_local(
         initializer=worker_init,
         initargs=(os.getpid(),),
     )
-    # the submits spawn the workers, which start with these blocked (see worker_init)
-    with stop_signals_blocked(_STOP_SIGNALS, start_method="spawn"):
+    # the submits spawn the workers, which start with these blocked (see worker_init) and
+    # without the caller's main script (see _main_script_left_out)
+    with stop_signals_blocked(_STOP_SIGNALS, start_method="spawn"), _main_script_left_out():
         pending: set[Future[TaskResult]] = {
             pool.submit(_held_job, job, source, task, config) for task in tasks
         }
@@ -100,6 +102,30 @@ def run_local(
             # the pool's own thread cancels what has not started: a future cancelled from
             # here races a worker crash in Python 3.11 (InvalidStateError, gh-107219)
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _main_script_left_out() -> Iterator[None]:
+    """Spawn the workers without running the caller's main script in them.
+
+    A spawned child imports its parent's ``__main__`` again, so that functions defined there
+    can be unpickled; a shard task holds dlpipe's functions and objects only. Re-running the
+    script cost each worker the whole CLI's imports (the ``dlpipe`` script, ~60 ms); a user's
+    script without an ``if __name__ == "__main__":`` guard started the conversion over again
+    in every worker (tracebacks from each, then "a worker process died"); a script read from
+    stdin could not be found at all. While the submits spawn the workers, ``__main__`` is a
+    bare module, which spawn leaves alone. Every worker is spawned here: the pool starts one
+    per submit while none is idle, and all tasks are submitted at once.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is None:
+            del sys.modules["__main__"]
+        else:
+            sys.modules["__main__"] = main
 
 
 def _held_job(job: Job, source: Source, task: ShardTask, config: WorkerConfig) -> TaskResult:

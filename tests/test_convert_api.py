@@ -99,3 +99,33 @@ def test_the_docstring_lists_every_option() -> None:
     for spec in option_specs():
         if spec.name not in ("raw", "to"):
             assert f"``{spec.name}`` ({spec.flag}" in doc, spec.name
+
+
+SCRIPT_WITHOUT_GUARD = """\
+import dlpipe
+result = dlpipe.convert({raw!r}, to="wds", out={out!r}, workers=2, shard_bytes=1)
+print("converted", result.samples_in, len(result.manifest.splits["train"].shards) > 1)
+"""
+
+
+@pytest.mark.parametrize("how", ["a file", "stdin"])
+def test_a_script_without_a_main_guard_converts_with_worker_processes(raw, tmp_path, how) -> None:
+    """Spawned workers do not run the caller's script again: without the guard it started
+    the conversion over in every worker, and a script read from stdin was not found."""
+    import subprocess
+    import sys
+
+    script = SCRIPT_WITHOUT_GUARD.format(raw=raw, out=str(tmp_path / "out"))
+    (tmp_path / "convert_it.py").write_text(script)
+    command = [sys.executable, "convert_it.py"] if how == "a file" else [sys.executable, "-"]
+    done = subprocess.run(
+        command,
+        input=None if how == "a file" else script,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "converted 16 True"
+    assert "Traceback" not in done.stderr, done.stderr
