@@ -29,13 +29,6 @@ from dlpipe.errors import (
     UnsafeMemberError,
     UnsupportedStorageError,
 )
-from dlpipe.loading.profile import (
-    LoaderProfile,
-    ProfileError,
-    ProfileSaveError,
-    find_profile,
-    save_profile,
-)
 from dlpipe.manifest import Manifest, ShardInfo, SplitInfo, read_manifest
 from dlpipe.sample import Sample, check_key, escape_key, make_key, unescape_key
 
@@ -50,6 +43,13 @@ if TYPE_CHECKING:  # the core's lazy names below, typed as when they were import
     )
     from dlpipe.formats.writer import DatasetWriter, ShardLimits
     from dlpipe.inspection import describe_dataset
+    from dlpipe.loading.profile import (
+        LoaderProfile,
+        ProfileError,
+        ProfileSaveError,
+        find_profile,
+        save_profile,
+    )
     from dlpipe.verify import CheckerError, Problem, VerifyReport, verify_dataset
 
 # these import torch, the converters or the shard formats (lmdb, h5py): only on first use, so
@@ -81,6 +81,11 @@ _LAZY = {
     "LoaderConfigError": "dlpipe.loading.config",
     "WorkerSettings": "dlpipe.loading.config",
     "make_loader": "dlpipe.loading.loader",
+    "LoaderProfile": "dlpipe.loading.profile",
+    "ProfileError": "dlpipe.loading.profile",
+    "ProfileSaveError": "dlpipe.loading.profile",
+    "find_profile": "dlpipe.loading.profile",
+    "save_profile": "dlpipe.loading.profile",
     "normalize": "dlpipe.loading.transforms",
 }
 
