@@ -53,7 +53,7 @@ Sample = dict[str, bytes | str]
 """A sample: ``"__key__"`` maps to the key (str), every other name to the field's bytes."""
 
 _KEY_RE = re.compile(r"(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+")
-_SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_UNSAFE_BYTE = re.compile(rb"[^A-Za-z0-9_-]")  # every other byte is escaped as %XX
 _FIELD_RE = re.compile(r"[a-z0-9][a-z0-9_]*(?:\.[a-z0-9][a-z0-9_]*)*")
 _CLS_RE = re.compile(rb"-?(?:0|[1-9][0-9]*)")
 _SHORT_MARK = "%2D"  # an escaped "-": escape_key never writes it, so it marks a shortened key
@@ -69,7 +69,11 @@ def _text_bytes(text: str) -> bytes:
 
 
 def _escape(text: str) -> str:
-    return "".join(chr(b) if b in _SAFE_BYTES else f"%{b:02X}" for b in _text_bytes(text))
+    return _UNSAFE_BYTE.sub(_percent, _text_bytes(text)).decode("ascii")
+
+
+def _percent(unsafe: re.Match[bytes]) -> bytes:
+    return b"%%%02X" % unsafe[0][0]
 
 
 def escape_key(text: str) -> str:
