@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,9 @@ from test_train import (
     newest,
     records,
     step_losses,
-    wait_for_checkpoint,
     write_colours,
 )
+from trainer_models import HOLD_ENV
 
 from dlpipe.cli import main
 from dlpipe.options import config_toml
@@ -150,23 +151,37 @@ def test_a_mixture_tunes_on_its_first_dataset_and_the_next_run_finds_that_profil
     assert "tuning" not in second and "(profile measured at batch 16, 16 px" in second
 
 
+def wait_for_file(child: subprocess.Popen, path: Path) -> None:
+    """Until `path` exists (a state waited for, not a time: the bound is only on a hang)."""
+    deadline = time.monotonic() + 600
+    while not path.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            child.kill()
+            pytest.fail(f"{path} never appeared: {child.communicate()}")
+        time.sleep(0.02)
+
+
 @pytest.mark.slow
 def test_a_mixture_killed_with_sigkill_resumes_to_the_same_weights_and_counts(
     mix, tmp_path
 ) -> None:
-    """kill -9 once a checkpoint of step 3 or later is written (every step; an epoch is 8):
-    the run goes on from its newest checkpoint mid-epoch and ends as the uninterrupted run,
-    weights bit for bit, with the same samples per dataset in its first epoch."""
+    """kill -9 while step 5 runs, its checkpoint of step 4 written (every step; an epoch is
+    8): the run goes on from there mid-epoch and ends as the uninterrupted run, weights bit
+    for bit, with the same samples per dataset in its first epoch."""
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     run = ["train", *mix, *COMMON, *WEIGHTS, "--epochs", "3", "--checkpoint-every", "1"]
+    run += ["--model", "trainer_models:holds_at_step"]  # TinyCNN; holds only in the child
+    hold = tmp_path / "hold"
+    hold.mkdir()
     child = subprocess.Popen(
         [sys.executable, "-m", "dlpipe", *run, "--out", str(killed)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
+        env={**os.environ, HOLD_ENV: f"{hold}:5"},
     )  # fmt: skip
-    wait_for_checkpoint(child, killed, 3)
+    wait_for_file(child, hold / "held")  # a state waited for: the run holds at step 5
     os.kill(child.pid, signal.SIGKILL)
     child.communicate()
-    assert newest(killed)["step"] < 8  # stopped mid-epoch
+    assert newest(killed)["step"] == 4  # stopped mid-epoch, at a known step
     assert main([*run, "--out", str(killed), "--max-steps", "12"]) == 0
     assert main([*run, "--out", str(whole), "--max-steps", "12"]) == 0
     assert losses_by_step(killed) == losses_by_step(whole) and len(step_losses(whole)) == 12

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +32,32 @@ class TinyCNN(nn.Module):
 
 def tiny_cnn(num_classes: int) -> nn.Module:
     return TinyCNN(num_classes)
+
+
+HOLD_ENV = "DLPIPE_TEST_MODEL_HOLD"
+"""``<folder>:<step>``: the training forward of that step (1-based) announces itself with
+``<folder>/held`` and waits there for ever, so a test kills the run at a known step."""
+
+
+class _HoldsAtStep(TinyCNN):
+    """TinyCNN (the same parameters and initialisation) that holds as `HOLD_ENV` says."""
+
+    steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hold = os.environ.get(HOLD_ENV)
+        if hold and self.training and torch.is_grad_enabled():
+            self.steps += 1
+            folder, step = hold.rsplit(":", 1)
+            if self.steps == int(step):
+                (Path(folder) / "held").touch()
+                while True:
+                    time.sleep(1)
+        return super().forward(x)
+
+
+def holds_at_step(num_classes: int) -> nn.Module:
+    return _HoldsAtStep(num_classes)
 
 
 class _OutOfMemoryAbove(TinyCNN):
