@@ -42,7 +42,7 @@ _KINDS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 _PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 _JPEG_MODES = frozenset({"RGB", "L", "CMYK"})
 _QUICK_COLORSPACES = frozenset({"Gray", "YCbCr"})  # Pillow's modes L and RGB, drafted to grey
-_DRAFT_SCALE = 8
+_DRAFT_SCALE = 8  # the check's JPEG decode scale, on both roads (Pillow's and the quick one)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +135,8 @@ def _draft_dhash(image: Image.Image) -> int:
     inverse DCT and colour conversion are skipped) and return its difference hash."""
     if image.format == "JPEG":
         mode = "L" if image.mode in ("RGB", "L") else image.mode
-        image.draft(mode, (max(1, image.width // 8), max(1, image.height // 8)))
+        size = (max(1, image.width // _DRAFT_SCALE), max(1, image.height // _DRAFT_SCALE))
+        image.draft(mode, size)
     image.load()
     return dhash(image)
 
